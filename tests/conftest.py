@@ -1,0 +1,46 @@
+"""Shared test set-up: the offline tokenizer cache, and tiny models and story files built here."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+# Our machines reach no tokenizer hub; where the workspace carries tiktoken's cache, use it.
+if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")
+
+STORIES = [
+    "Once upon a time, there was a little girl named Lily. She loved to play in the park with her red ball.",
+    "Tom had a small dog called Max. Every morning they ran to the river and watched the ducks swim.",
+    'The sun was hot. "Can I have some water?" asked Ben. His mom smiled and gave him a big cup.',
+    "A little bird could not fly. It was sad. A kind cat helped the bird find its nest in the tree.",
+    "Sue found a shiny rock. She showed it to her friend Tim, and they put it in a box of treasures.",
+    "One day, a bear wanted honey. He climbed a tall tree, but the bees were angry, so he ran away!",
+]
+
+
+def write_stories(path: Path, n: int) -> Path:
+    """A TinyStories-format file of n stories, made by cycling and numbering the ones above."""
+    stories = [f"{STORIES[i % len(STORIES)]} This is story number {i}." for i in range(n)]
+    path.write_text("".join(f"{s}\n<|endoftext|>\n" for s in stories), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def story_file(tmp_path):
+    return write_stories(tmp_path / "stories.txt", 40)
+
+
+@pytest.fixture
+def tiny_config():
+    from tinydiff.model import ModelConfig
+    return ModelConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64)
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    from tinydiff.model import Transformer
+    torch.manual_seed(0)
+    return Transformer(tiny_config).eval()

@@ -1,0 +1,157 @@
+"""Spec: one Transformer. Causal vs bidirectional attention, explicit masks and positions,
+KV-cached decoding, crop and keep, hidden-state taps, parameter counts of the presets."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.model import PRESETS, Transformer, preset
+
+ATOL = 1e-5  # fp32; the cached and uncached paths sum the same terms in different orders
+
+
+def tokens(B, T, seed=0):
+    return torch.randint(0, 50257, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def expected_params(c):
+    per_layer = 4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff + 2 * c.d_model  # attn, SwiGLU, 2 norms
+    return c.vocab_size * c.d_model + c.n_layer * per_layer + c.d_model     # + tied embedding, final norm
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_counts_match_the_architecture(name):
+    model = Transformer(preset(name))
+    assert model.num_params() == expected_params(model.config)
+    assert model.num_params(embedding=False) == model.num_params() - model.config.vocab_size * model.config.d_model
+
+
+def test_13m_preset_is_about_13m():
+    assert 12.5e6 < Transformer(preset("13m")).num_params() < 13.5e6
+
+
+def test_bad_preset_and_shapes_fail_clearly():
+    with pytest.raises(UserError, match="unknown preset"):
+        preset("huge")
+    with pytest.raises(UserError, match="heads"):
+        Transformer(preset("tiny", d_model=130))
+
+
+@torch.no_grad()
+def test_causal_change_at_j_never_reaches_before_j(tiny_model):
+    x = tokens(2, 20)
+    for j in (0, 7, 19):
+        y = x.clone()
+        y[:, j] = (y[:, j] + 1) % 50257
+        a, b = tiny_model(x, causal=True), tiny_model(y, causal=True)
+        assert torch.equal(a[:, :j], b[:, :j])
+        assert not torch.allclose(a[:, j:], b[:, j:])
+
+
+@torch.no_grad()
+def test_bidirectional_change_at_j_reaches_every_position(tiny_model):
+    x = tokens(1, 20)
+    y = x.clone()
+    y[:, 15] = (y[:, 15] + 1) % 50257
+    a, b = tiny_model(x, causal=False), tiny_model(y, causal=False)
+    assert (a - b).abs().amax(-1).min() > 1e-6  # every position, including those before 15
+
+
+@torch.no_grad()
+def test_explicit_causal_mask_equals_causal(tiny_model):
+    x = tokens(2, 24)
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    assert torch.equal(tiny_model(x, causal=True), tiny_model(x, mask=causal))
+    assert torch.equal(tiny_model(x, causal=True), tiny_model(x, mask=causal.expand(2, 24, 24)))
+    full = torch.ones(24, 24, dtype=torch.bool)
+    assert torch.equal(tiny_model(x, causal=False), tiny_model(x, mask=full))
+
+
+@torch.no_grad()
+def test_kv_cached_decoding_equals_full_forward(tiny_model):
+    x = tokens(2, 30)
+    full = tiny_model(x, causal=True)
+    cache = tiny_model.new_cache(2)
+    parts = [tiny_model(x[:, :9], cache=cache, causal=True)]
+    for t in range(9, 30, 4):  # chunks of several tokens, then the last odd one
+        parts.append(tiny_model(x[:, t:t + 4], cache=cache, causal=True))
+    assert cache.length == 30
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=0)
+
+
+def cache_rows(cache, n):
+    return [t[:, :, :n] for t in cache.k + cache.v]
+
+
+@torch.no_grad()
+def test_crop_equals_recomputing_the_prefix(tiny_model):
+    x = tokens(1, 20)
+    cache = tiny_model.new_cache()
+    tiny_model(x[:, :12], cache=cache, causal=True)
+    tiny_model(tokens(1, 5, seed=1), cache=cache, causal=True)  # a rejected draft
+    cache.crop(12)
+    fresh = tiny_model.new_cache()
+    tiny_model(x[:, :12], cache=fresh, causal=True)
+    for a, b in zip(cache_rows(cache, 12), cache_rows(fresh, 12)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    # and decoding continues as if the draft never happened
+    torch.testing.assert_close(tiny_model(x[:, 12:], cache=cache, causal=True),
+                               tiny_model(x, causal=True)[:, 12:], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError):
+        cache.crop(cache.length + 1)
+
+
+@torch.no_grad()
+def test_keep_rows_of_a_tree_equals_recomputing_the_path(tiny_model):
+    """Prefix of 10, then two sibling branches [a1, a2] and [b1, b2] at positions 10, 11 in one
+    forward with an ancestor mask; keeping prefix + branch b equals a cache of prefix + b."""
+    prefix, a, b = tokens(1, 10), tokens(1, 2, seed=1), tokens(1, 2, seed=2)
+    cache = tiny_model.new_cache()
+    tiny_model(prefix, cache=cache, causal=True)
+    tree = torch.cat([a, b], 1)  # nodes: a1 a2 b1 b2
+    sees = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 10, dtype=torch.bool), sees], 1)  # (4, 14)
+    tree_logits = tiny_model(tree, mask=mask, pos=torch.tensor([10, 11, 10, 11]), cache=cache)
+    cache.keep(list(range(10)) + [12, 13])
+    fresh = tiny_model.new_cache()
+    path_logits = tiny_model(torch.cat([prefix, b], 1), cache=fresh, causal=True)
+    assert cache.length == fresh.length == 12
+    for x, y in zip(cache_rows(cache, 12), cache_rows(fresh, 12)):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+    torch.testing.assert_close(tree_logits[:, 2:], path_logits[:, 10:], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_positions_enter_only_through_relative_rope(tiny_model):
+    x = tokens(2, 8)
+    base = tiny_model(x, causal=True)
+    shifted = tiny_model(x, pos=torch.arange(3, 11), causal=True)
+    assert torch.equal(shifted, tiny_model(x, pos=torch.arange(3, 11).expand(2, 8), causal=True))
+    # RoPE scores depend on distances only: a uniform shift changes nothing but rounding,
+    rounding = (shifted - base).abs().max()
+    assert rounding < 1e-5
+    # while moving the last token away from the others changes what it sees, by far more.
+    moved = tiny_model(x, pos=torch.tensor([0, 1, 2, 3, 4, 5, 6, 20]), causal=True)
+    assert (moved[:, -1] - base[:, -1]).abs().max() > 100 * rounding
+
+
+@torch.no_grad()
+def test_hidden_layers_are_the_residual_stream(tiny_model):
+    x = tokens(1, 6)
+    logits, (h2, h0, h1) = tiny_model(x, hidden_layers=[2, 0, 1])
+    torch.testing.assert_close(h0, tiny_model.embed(x))
+    torch.testing.assert_close(logits, F.linear(tiny_model.norm(h2), tiny_model.embed.weight))
+    torch.testing.assert_close(h2, tiny_model.blocks[1](h1, *rope(tiny_model, 6), None, True, None, 1))
+
+
+def rope(model, T):
+    return model.rope_cos[:T].view(1, 1, T, -1), model.rope_sin[:T].view(1, 1, T, -1)
+
+
+def test_context_overflow_and_bad_mask_fail_clearly(tiny_model):
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        tiny_model(tokens(1, 33))
+    with pytest.raises(UserError, match="position ids must lie in"):
+        tiny_model(tokens(1, 2), pos=torch.tensor([0, 32]))
+    with pytest.raises(ValueError, match="mask must end in shape"):
+        tiny_model(tokens(1, 4), mask=torch.ones(4, 5, dtype=torch.bool))

@@ -1,0 +1,113 @@
+"""Spec: train.py. An interrupted-then-resumed run ends with the same weights as an uninterrupted
+one (Ctrl-C and a hard kill alike); flags that would silently change a resumed run are errors."""
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from tinydiff.checkpoint import load_checkpoint
+from tinydiff.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def argv(data, out, *extra):
+    return ["--data", str(data), "--out", str(out), "--preset", "draft", "--context", "16",
+            "--batch-size", "2", "--max-steps", "6", "--warmup", "2", "--eval-every", "3",
+            "--eval-batches", "1", "--ckpt-every", "2", "--seed", "3", "--device", "cpu", *extra]
+
+
+def final_weights(out):
+    return load_checkpoint(Path(out) / "ckpt.pt")["model"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture
+def uninterrupted(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "full"))
+    return final_weights(tmp_path / "full")
+
+
+def interrupt_at(monkeypatch, call: int, action):
+    """Run `action` inside the `call`-th loss evaluation of training (1-based)."""
+    loss_fn, extra = train.OBJECTIVES["ar"]
+    calls = {"n": 0}
+
+    def wrapped(model, windows):
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                action()
+        return loss_fn(model, windows)
+    monkeypatch.setitem(train.OBJECTIVES, "ar", (wrapped, extra))
+
+
+def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, capsys, uninterrupted):
+    out = tmp_path / "run"
+    interrupt_at(monkeypatch, 4, lambda: os.kill(os.getpid(), signal.SIGINT))  # a real signal
+    train.main(argv(story_file, out))
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 4  # finished the step it was in, then saved
+    assert "--resume" in capsys.readouterr().out
+    monkeypatch.undo()
+    train.main(["--out", str(out), "--resume"])
+    assert_same_weights(final_weights(out), uninterrupted)
+
+
+def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, uninterrupted):
+    out = tmp_path / "run"
+
+    def kill():  # dies mid-step 5 with no chance to save: the step-4 checkpoint is what is left
+        raise SystemExit("killed")
+    interrupt_at(monkeypatch, 5, kill)
+    with pytest.raises(SystemExit):
+        train.main(argv(story_file, out))
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 4
+    monkeypatch.undo()
+    train.main(["--out", str(out), "--resume"])
+    assert_same_weights(final_weights(out), uninterrupted)
+
+
+def test_checkpoint_holds_the_whole_training_state(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "r"))
+    ckpt = load_checkpoint(tmp_path / "r" / "ckpt.pt")
+    assert ckpt["kind"] == "ar" and ckpt["step"] == 6 and ckpt["data"] == {"seed": 3, "index": 6}
+    assert {"optimizer", "rng", "args", "config"} <= ckpt.keys()
+    assert ckpt["config"]["context"] == 16 and ckpt["args"]["preset"] == "draft"
+
+
+def test_existing_run_is_never_overwritten(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "r"))
+    with pytest.raises(UserError, match="--resume"):
+        train.main(argv(story_file, tmp_path / "r"))
+    with pytest.raises(UserError, match="--lr .* differs"):
+        train.main(["--out", str(tmp_path / "r"), "--resume", "--lr", "0.5"])
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        train.main(["--out", str(tmp_path / "none"), "--resume"])
+    with pytest.raises(UserError, match="needs --out"):
+        train.main(["--resume"])
+
+
+def test_learning_rate_schedule():
+    run = {"lr": 1.0, "min_lr": 0.1, "warmup": 10, "max_steps": 110}
+    assert train.lr_at(0, run) == pytest.approx(0.1) and train.lr_at(9, run) == pytest.approx(1.0)
+    assert train.lr_at(60, run) == pytest.approx(0.55) and train.lr_at(110, run) == pytest.approx(0.1)
+
+
+def test_user_errors_are_one_line_without_traceback(tmp_path):
+    cmd = [sys.executable, "train.py", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: data file")

@@ -1,0 +1,1 @@
+"""tinydiff: a small, tested reference for masked diffusion LMs and fast-inference methods."""

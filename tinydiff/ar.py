@@ -1,0 +1,67 @@
+"""The autoregressive language model's two halves: next-token loss and KV-cached decoding.
+
+Decoding follows gpt-fast's generate.py: one prefill forward over the prompt, then one forward
+per new token that reads the KV cache. The MASK id belongs to the diffusion models' vocabulary
+and is never sampled here. Leaves out: batched prompts of different lengths, beam search.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.sampling import sample, warp
+from tinydiff.tokenizer import EOT, MASK
+
+
+def ar_loss(model, windows):
+    """Mean next-token cross-entropy on windows (B, T+1); returns (loss, stats)."""
+    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+    logits = model(x, causal=True)  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return loss, {"ce": loss.detach()}
+
+
+def check_prompt(prompt, context: int, max_new_tokens: int | None) -> int:
+    """Validate a prompt; return how many tokens to generate."""
+    if len(prompt) == 0:
+        raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
+    room = context - len(prompt)
+    if room <= 0:
+        raise UserError(f"the prompt has {len(prompt)} tokens but the model's context is {context}; shorten it")
+    if max_new_tokens is None:
+        return room
+    if not 1 <= max_new_tokens <= room:
+        raise UserError(f"max new tokens must lie in [1, {room}] for this {len(prompt)}-token prompt "
+                        f"and a {context}-token context, got {max_new_tokens}")
+    return max_new_tokens
+
+
+@torch.no_grad()
+def ar_generate(model, prompt, max_new_tokens=None, temperature=1.0, top_k=None, top_p=None,
+                generator=None, stop_token=EOT):
+    """Decode after `prompt` (list of ids); returns (new ids, stats).
+
+    Stops after `max_new_tokens` (default: until the context is full) or after emitting
+    `stop_token` (None: never). stats: forwards, new_tokens, seconds, tokens_per_s.
+    """
+    n_new = check_prompt(prompt, model.config.context, max_new_tokens)
+    device = model.embed.weight.device
+    cache = model.new_cache(1)
+    start = time.perf_counter()
+    x = torch.tensor([prompt], device=device)  # (1, T) prefill, then (1, 1) per step
+    out, forwards = [], 0
+    while len(out) < n_new:
+        logits = model(x, cache=cache, causal=True)[:, -1]  # (1, V)
+        forwards += 1
+        logits[:, MASK] = float("-inf")
+        token = sample(warp(logits, temperature, top_k, top_p), generator)  # (1,)
+        out.append(int(token))
+        if out[-1] == stop_token:
+            break
+        x = token.view(1, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return out, {"forwards": forwards, "new_tokens": len(out), "seconds": seconds,
+                 "tokens_per_s": len(out) / seconds}

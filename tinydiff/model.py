@@ -1,0 +1,241 @@
+"""One Transformer for every model in tinydiff: AR target and draft, diffusion LM, drafters.
+
+A decoder stack in the llama style: RMSNorm before each sublayer, rotary position embeddings
+(RoPE), SwiGLU feed-forward, no biases, the LM head tied to the token embedding.
+Attention is one of three kinds, chosen per call:
+  - causal (the AR models),
+  - bidirectional (the masked-diffusion LM: every position sees every position),
+  - an explicit boolean mask with explicit position ids, for block-causal and tree attention.
+A `KVCache` holds past keys/values for incremental decoding, with `crop(n)` and `keep(rows)` to
+roll back or compact after speculative verification. `hidden_layers=` returns the residual
+stream after chosen blocks (0 = the embeddings, i = after block i), which DFlash and EAGLE read.
+
+Leaves out: dropout (small models on small data, short runs), GQA, sliding windows.
+Follows nanoGPT's model.py and llama2.c's model.py in structure.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.tokenizer import VOCAB_SIZE
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = VOCAB_SIZE  # GPT-2's 50,257 ids + MASK
+    context: int = 256            # longest sequence (RoPE table and KV cache size)
+    n_layer: int = 8              # Transformer blocks
+    n_head: int = 6               # attention heads; d_model must divide by it
+    d_model: int = 192            # residual stream width
+    d_ff: int = 512               # SwiGLU hidden width
+    causal: bool = True           # default attention when no mask is given
+    rope_base: float = 10000.0    # RoPE frequency base
+    norm_eps: float = 1e-5        # RMSNorm epsilon
+
+
+PRESETS = {
+    # ~13.2M parameters, 9.65M of them the tied 50,258-row embedding.
+    "13m": ModelConfig(n_layer=8, n_head=6, d_model=192, d_ff=512),
+    # Small enough to train to readable stories on 2 CPU cores in about ten minutes: the tied
+    # 50,258 x d embedding/head dominates the cost, so width is the thing to keep small.
+    "tiny": ModelConfig(n_layer=4, n_head=4, d_model=128, d_ff=384),
+    # The speculative-decoding draft: same tokenizer and context, a fraction of the layers.
+    "draft": ModelConfig(n_layer=2, n_head=2, d_model=64, d_ff=192),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name].__dict__, **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 so bf16 autocast does not lose the small mean square.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_table(context: int, head_dim: int, base: float):
+    """cos, sin of shape (context, head_dim // 2) for rotating pairs (x[2i], x[2i+1])."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, D) rotated by per-position angles; cos/sin (B or 1, 1, T, D/2)."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, D/2) each
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, preallocated to the model's context.
+
+    `length` counts the valid rows. Speculative decoding writes drafts into the cache and then
+    rolls back: `crop(n)` keeps the first n rows, `keep(rows)` moves the chosen rows (in order) to
+    the front and drops the rest (DDTree keeps the accepted path of a tree this way).
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, device, dtype=torch.float32):
+        shape = (batch_size, config.n_head, config.context, config.d_model // config.n_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def append(self, layer: int, k, v):
+        """Write k, v (B, H, T, D) after the valid rows; return all keys/values (B, H, length+T, D)."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, n: int):
+        self.length += n
+
+    def crop(self, n: int):
+        if not 0 <= n <= self.length:
+            raise ValueError(f"crop({n}) outside the cache's {self.length} valid rows")
+        self.length = n
+
+    def keep(self, rows):
+        """Keep only `rows` (1-D indices into the valid rows, in the order given)."""
+        rows = torch.as_tensor(rows, device=self.k[0].device, dtype=torch.long)
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.length):
+            raise ValueError(f"keep(): row indices must lie in [0, {self.length})")
+        n = rows.numel()
+        for cache in (self.k, self.v):
+            for layer, t in enumerate(cache):
+                t[:, :, :n] = t[:, :, rows].clone()  # clone: source and target rows overlap
+        self.length = n
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wk = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wv = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask, is_causal, cache, layer):
+        B, T, D = x.shape
+        q, k, v = (w(x).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D/H)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, H, S, D/H), S = cached + T
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x, cos, sin, mask, is_causal, cache, layer):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, layer)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.d_model % config.n_head or (config.d_model // config.n_head) % 2:
+            raise UserError(f"d_model {config.d_model} must split into {config.n_head} heads of even size")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        cos, sin = rope_table(config.context, config.d_model // config.n_head, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "down.weight")):  # GPT-2: residual writes scaled by depth
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def num_params(self, embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embedding else n - self.embed.weight.numel()
+
+    def new_cache(self, batch_size: int = 1, device=None, dtype=torch.float32) -> KVCache:
+        return KVCache(self.config, batch_size, device or self.embed.weight.device, dtype)
+
+    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None):
+        """Logits (B, T, V) for token ids idx (B, T).
+
+        pos: position ids (T,) or (B, T); default cache.length + arange(T).
+        mask: bool (T, S) or (B, T, S), True = may attend, S = cached rows + T. Overrides `causal`.
+        causal: without a mask, causal (True) or bidirectional (False); default config.causal.
+        cache: a KVCache; the new keys/values are appended and its length advanced by T.
+        hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
+        """
+        B, T = idx.shape
+        past = cache.length if cache is not None else 0
+        if past + T > self.config.context:
+            raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {self.config.context}")
+        if pos is None:
+            pos = torch.arange(past, past + T, device=idx.device)
+        elif pos.min() < 0 or pos.max() >= self.config.context:
+            raise UserError(f"position ids must lie in [0, {self.config.context}), the model's context")
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, D/2) or (B, T, D/2)
+        cos, sin = (c.unsqueeze(-3) if c.dim() == 3 else c.view(1, 1, T, -1) for c in (cos, sin))
+        is_causal = False
+        if mask is not None:
+            if mask.shape[-2:] != (T, past + T):
+                raise ValueError(f"mask must end in shape ({T}, {past + T}), got {tuple(mask.shape)}")
+            mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (B, 1, T, S): shared by heads
+        elif self.config.causal if causal is None else causal:
+            if past == 0:
+                is_causal = True  # SDPA's fast path; its mask is aligned top-left, right only without a cache
+            elif T > 1:
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        x = self.embed(idx)  # (B, T, D)
+        taps = set(hidden_layers or ())
+        hidden = {0: x} if 0 in taps else {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, is_causal, cache, i)
+            if i + 1 in taps:
+                hidden[i + 1] = x
+        if cache is not None:
+            cache.advance(T)
+        logits = F.linear(self.norm(x), self.embed.weight)  # (B, T, V), head tied to the embedding
+        return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])

@@ -1,0 +1,46 @@
+"""Turning logits into tokens: temperature, top-k and top-p warping, and seeded sampling.
+
+Every decoding method warps its distributions through `warp` so that a draft and a target are
+warped identically (speculative sampling is lossless only for the distributions it compares).
+Temperature 0 is greedy decoding written as a distribution: all mass on the argmax (first index
+on ties), so greedy and sampled decoding run through the same code.
+Leaves out: repetition penalties, min-p, typical sampling.
+"""
+import torch
+
+from tinydiff.errors import UserError
+
+
+def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top-p must lie in (0, 1] (or be unset), got {top_p}")
+
+
+def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Probabilities (..., V) in float32 from logits (..., V)."""
+    check_warp_args(temperature, top_k, top_p)
+    logits = logits.float()
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep a token if the mass before it is still below top_p: the smallest such set.
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs, generator: torch.Generator | None = None):
+    """One token id per row of probs (..., V) -> (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

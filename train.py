@@ -1,0 +1,234 @@
+"""Train a tinydiff model on TinyStories.
+
+    python train.py                                   # HF TinyStories; 13m on a GPU, tiny on CPU
+    python train.py --data ../shared/data/tinystories-sample.txt --max-steps 300
+    python train.py --out out/ar-tiny --resume        # continue an interrupted run exactly
+
+AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on CUDA only.
+Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
+A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
+drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states.
+"""
+import argparse
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tinydiff.ar import ar_loss
+from tinydiff.checkpoint import load_checkpoint, model_from, save_checkpoint
+from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
+from tinydiff.errors import UserError
+from tinydiff.model import PRESETS, Transformer, preset
+
+# kind -> (loss(model, windows) -> (loss, stats), extra tokens per window beyond the context)
+OBJECTIVES = {"ar": (ar_loss, 1)}
+
+# Settings that define a run: on --resume they come from the checkpoint.
+RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
+                "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train (default: ar)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: 13m on CUDA, tiny on CPU)")
+    p.add_argument("--context", type=int, help="override the preset's context length (tokens per window)")
+    p.add_argument("--data", help="TinyStories-train.txt-format file (default: download from Hugging Face)")
+    p.add_argument("--cache-dir", default="data", help="token cache when the data's folder is not writable, and for Hugging Face")
+    p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (default 5000)")
+    p.add_argument("--batch-size", type=int, help="windows per step (default 32)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine (default lr / 10)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.1)")
+    p.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (default 1.0)")
+    p.add_argument("--seed", type=int, help="seeds initialisation and the data order (default 1337)")
+    p.add_argument("--eval-every", type=int, help="validate every N steps (default 250)")
+    p.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
+    p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    return p.parse_args(argv)
+
+
+def defaults(args, device: str) -> dict:
+    """The run settings with every unset flag filled in."""
+    fallback = {"model": "ar", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
+                "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
+                "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
+                "eval_batches": 8}
+    run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
+    if args.preset is None and not device.startswith("cuda"):
+        print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
+    run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
+    for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
+        if run[key] < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {run[key]}")
+    return run
+
+
+def resumed_settings(args, ckpt: dict, path) -> dict:
+    """The checkpoint's run settings; a flag that contradicts them is an error, not a silent change."""
+    run = ckpt["args"]
+    for key in RUN_SETTINGS:
+        given = getattr(args, key)
+        if given is not None and given != run[key]:
+            raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
+                            f"({run[key]}); drop the flag to resume, or start a new run with another --out")
+    return run
+
+
+def lr_at(step: int, run: dict) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at max_steps."""
+    if step < run["warmup"]:
+        return run["lr"] * (step + 1) / run["warmup"]
+    progress = (step - run["warmup"]) / max(1, run["max_steps"] - run["warmup"])
+    return run["min_lr"] + 0.5 * (run["lr"] - run["min_lr"]) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model, run: dict):
+    """AdamW; weight decay on matrices only, never on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": run["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=run["lr"], betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
+    """Mean of each stat over fixed validation windows (the same windows every time)."""
+    model.eval()
+    totals = {}
+    for i in range(0, len(windows), batch_size):
+        with autocast:
+            _, stats = loss_fn(model, windows[i:i + batch_size])
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + float(v) * len(windows[i:i + batch_size])
+    model.train()
+    return {k: v / len(windows) for k, v in totals.items()}
+
+
+class StopOnSignal:
+    """While active, the first Ctrl-C / SIGTERM asks the loop to save and stop after this step;
+    a second one interrupts at once. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA GPU is visible; pass --device cpu")
+    out = Path(args.out) if args.out else None
+    ckpt = None
+    if args.resume:
+        if out is None:
+            raise UserError("--resume needs --out, the folder of the run to continue")
+        ckpt = load_checkpoint(out / "ckpt.pt")
+        if "optimizer" not in ckpt or "args" not in ckpt:
+            raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
+        run = resumed_settings(args, ckpt, out / "ckpt.pt")
+    else:
+        run = defaults(args, device)
+        out = out or Path("out") / f"{run['model']}-{run['preset']}"
+        if (out / "ckpt.pt").exists():
+            raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
+    loss_fn, extra = OBJECTIVES[run["model"]]
+
+    torch.manual_seed(run["seed"])
+    if ckpt is None:
+        overrides = {"context": run["context"]} if run["context"] else {}
+        model = Transformer(preset(run["preset"], **overrides)).to(device)
+    else:
+        model = model_from(ckpt, out / "ckpt.pt", device)
+    config = model.config
+    print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
+          f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
+    train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
+    train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
+    window = config.context + extra
+    val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
+
+    optimizer = make_optimizer(model, run)
+    step = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step = ckpt["step"]
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        print(f"resuming {out / 'ckpt.pt'} at step {step}")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+
+    def save():
+        rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+        save_checkpoint(out / "ckpt.pt", kind=run["model"], config=config, model=model,
+                        optimizer=optimizer.state_dict(), step=step, rng=rng,
+                        data={"seed": run["seed"], "index": step}, args=run)
+
+    with StopOnSignal() as stop:
+        tokens_per_step = run["batch_size"] * config.context
+        steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation excluded
+        bar = tqdm(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
+        model.train()
+        while step < run["max_steps"]:
+            t0 = time.perf_counter()
+            lr = lr_at(step, run)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            windows = sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
+            with autocast:
+                loss, _ = loss_fn(model, windows)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run["grad_clip"])
+            optimizer.step()
+            step += 1
+            steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
+            tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+            if step % run["eval_every"] == 0 or step == run["max_steps"]:
+                stats = evaluate(model, loss_fn, val_windows, run["batch_size"], autocast)
+                bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
+                          + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+            if step % args.ckpt_every == 0 or step == run["max_steps"]:
+                save()
+            if stop.requested:
+                save()
+                bar.close()
+                print(f"interrupted: saved step {step} to {out / 'ckpt.pt'}; continue with "
+                      f"python train.py --out {out} --resume")
+                return
+    bar.close()
+    rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
+    print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
