@@ -46,7 +46,13 @@ METHODS = {"ar": run_ar}
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    cpu = platform.processor() or platform.machine()
+    try:  # Linux names the CPU model here; platform only knows the architecture
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} CPU, {torch.get_num_threads()} threads"
 
 
 def measure(method, models, prompts, args) -> dict:
