@@ -1,14 +1,24 @@
 """Generate a story from a trained checkpoint.
 
-    python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Once upon a time"
+    python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Once upon a time"
+    python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --threshold 0.9
     python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Tom had a dog" --temperature 0 --json
+    python generate.py --ckpt out/ar-tiny/ckpt.pt --method spec --draft out/ar-draft/ckpt.pt --k 4 \
+        --prompt "Tom had a dog"
+
+The method follows the checkpoint: `diffusion` for a masked-diffusion LM (the canvas starts
+all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregressive one;
+`spec` decodes an AR target with a small AR draft proposing k tokens per target forward
+(lossless: the same distribution as `ar`). vLLM's spelling works too:
+    --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}'
 
 The prompt is encoded as plain text after an EOT token (every training story follows one, so
-EOT is how the model knows a story starts). Text goes to stdout; stats to stderr, or with
---json one JSON object {"text", "prompt_ids", "ids", "stats"} on stdout.
+EOT is how a model knows a story starts). Text goes to stdout, stats to stderr; with --json one
+object {"text", "prompt_ids", "ids", "stats"} goes to stdout instead.
 """
 import argparse
 import json
+import shutil
 import sys
 
 import torch
@@ -16,39 +26,126 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
 from tinydiff.errors import UserError
+from tinydiff.sampler import REMASKING, generate, generate_cached
+from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
+
+METHODS = {"ar": ("ar",), "spec": ("ar",), "diffusion": ("mdlm",)}  # method -> checkpoint kinds it decodes
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
     p.add_argument("--prompt", required=True, help="the story's opening")
-    p.add_argument("--method", default="ar", choices=["ar"], help="decoding method")
-    p.add_argument("--max-new-tokens", type=int, help="default: until the story ends or the context is full")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    p.add_argument("--method", choices=sorted(METHODS), help="default: the checkpoint's own")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
+    ar = p.add_argument_group("ar")
+    ar.add_argument("--max-new-tokens", type=int, help="default: until the story ends or the context is full")
+    ar.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
+    ar.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    spec = p.add_argument_group("spec (speculative decoding of an AR target)")
+    spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
+    spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
+    spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
+    diff = p.add_argument_group("diffusion")
+    diff.add_argument("--gen-length", type=int, default=128, help="tokens on the canvas after the prompt")
+    diff.add_argument("--steps", type=int, help="forward passes in all (default: gen-length, one token per step)")
+    diff.add_argument("--block-length", type=int, default=32, help="blocks are filled left to right")
+    diff.add_argument("--remasking", choices=REMASKING, default="low_confidence", help="which positions to commit")
+    diff.add_argument("--threshold", type=float, help="commit every position at least this confident (parallel decoding)")
+    diff.add_argument("--revise", type=int, default=0, help="self-correction steps per block (re-predict the least confident)")
+    diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
+    diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
     return p.parse_args(argv)
+
+
+class CanvasView:
+    """Redraws the canvas in place as the sampler commits tokens (masks show as placeholders)."""
+
+    def __init__(self, tokenizer, prompt_text: str, prompt_len: int):
+        self.tokenizer, self.prompt_text, self.prompt_len = tokenizer, prompt_text, prompt_len
+        self.width = shutil.get_terminal_size().columns
+        self.lines = 0
+
+    def __call__(self, event):
+        self.clear()
+        text = self.prompt_text + self.tokenizer.decode(event["canvas"][self.prompt_len:].tolist())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        self.lines = sum(max(1, -(-len(line) // self.width)) for line in text.split("\n"))
+
+    def clear(self):
+        if self.lines:  # cursor up to the frame's first line, erase to the end of the screen
+            sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
+            self.lines = 0
+
+
+def apply_speculative_config(args):
+    """Fold a vLLM-style --speculative-config into --method / --draft / --k."""
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--speculative-config is not valid JSON ({e.msg}); e.g. "
+                        '\'{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(config, dict) or config.get("method") != "draft_model" or "model" not in config:
+        raise UserError('--speculative-config needs {"method": "draft_model", "model": PATH, ...}')
+    if args.draft and args.draft != config["model"]:
+        raise UserError("--draft and --speculative-config name different drafts; pass one of them")
+    args.method, args.draft = "spec", config["model"]
+    args.k = config.get("num_speculative_tokens", args.k)
+
+
+def run_diffusion(model, prompt, args, generator, callback):
+    steps = args.steps or args.gen_length
+    common = dict(temperature=args.temperature, remasking=args.remasking, threshold=args.threshold,
+                  generator=generator, callback=callback)
+    if args.cached:
+        if args.revise:
+            raise UserError("--revise works with the uncached sampler only; drop --cached or --revise")
+        return generate_cached(model, prompt, args.gen_length, steps, args.block_length, **common)
+    return generate(model, prompt, args.gen_length, steps, args.block_length, revise=args.revise, **common)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.speculative_config:
+        apply_speculative_config(args)
     tokenizer = Tokenizer()
-    model, _ = load_model(args.ckpt, args.device, kinds=("ar",))
+    model, ckpt = load_model(args.ckpt, args.device, kinds=sum(METHODS.values(), ()))
+    method = args.method or next(m for m, kinds in METHODS.items() if ckpt["kind"] in kinds)
+    if ckpt["kind"] not in METHODS[method]:
+        raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
+                        f"{args.ckpt} holds a {ckpt['kind']} model")
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    ids, stats = ar_generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k or None,
-                             args.top_p, generator)
-    text = tokenizer.decode([i for i in ids if i != EOT])
-    if args.json:
-        print(json.dumps({"text": args.prompt + text, "prompt_ids": prompt, "ids": ids, "stats": stats}))
+    if method in ("ar", "spec"):
+        args.temperature = 0.8 if args.temperature is None else args.temperature
+        warping = (args.temperature, args.top_k or None, args.top_p)
+        if method == "ar":
+            ids, stats = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
+        else:
+            if not args.draft:
+                raise UserError("--method spec needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
+            draft, _ = load_model(args.draft, args.device, kinds=("ar",))
+            ids, stats = speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
     else:
-        print(args.prompt + text)
+        args.temperature = 0.0 if args.temperature is None else args.temperature
+        animate = sys.stdout.isatty() and not (args.no_animate or args.json)
+        view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
+        ids, stats = run_diffusion(model, prompt, args, generator, view)
+        if view:
+            view.clear()  # the final text, cut at the story's end, replaces the last frame
+    story = ids[:ids.index(EOT)] if EOT in ids else ids  # a story ends at its first EOT
+    text = args.prompt + tokenizer.decode(story)
+    if args.json:
+        print(json.dumps({"text": text, "prompt_ids": prompt, "ids": ids, "stats": stats}))
+    else:
+        print(text)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()),
               file=sys.stderr)
 

@@ -20,14 +20,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tinydiff.ar import ar_loss
+from tinydiff.ar import ar_generate, ar_loss
+from tinydiff.diffusion import mdlm_loss
+from tinydiff.sampler import generate
 from tinydiff.checkpoint import load_checkpoint, model_from, save_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
+from tinydiff.tokenizer import EOT, Tokenizer
 
-# kind -> (loss(model, windows) -> (loss, stats), extra tokens per window beyond the context)
-OBJECTIVES = {"ar": (ar_loss, 1)}
+# kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
+OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1)}
 
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
@@ -36,7 +39,7 @@ RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size",
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train (default: ar)")
+    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train: the masked-diffusion LM (default) or an AR model")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: 13m on CUDA, tiny on CPU)")
     p.add_argument("--context", type=int, help="override the preset's context length (tokens per window)")
     p.add_argument("--data", help="TinyStories-train.txt-format file (default: download from Hugging Face)")
@@ -60,7 +63,7 @@ def parse_args(argv=None):
 
 def defaults(args, device: str) -> dict:
     """The run settings with every unset flag filled in."""
-    fallback = {"model": "ar", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
+    fallback = {"model": "mdlm", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
                 "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8}
@@ -103,16 +106,32 @@ def make_optimizer(model, run: dict):
 
 @torch.no_grad()
 def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
-    """Mean of each stat over fixed validation windows (the same windows every time)."""
+    """Mean of each stat over fixed validation windows and fixed noise (the same every time)."""
     model.eval()
     totals = {}
+    generator = torch.Generator(windows.device).manual_seed(0)
     for i in range(0, len(windows), batch_size):
         with autocast:
-            _, stats = loss_fn(model, windows[i:i + batch_size])
+            _, stats = loss_fn(model, windows[i:i + batch_size], generator)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + float(v) * len(windows[i:i + batch_size])
     model.train()
     return {k: v / len(windows) for k, v in totals.items()}
+
+
+@torch.no_grad()
+def sample_story(model, kind: str, tokenizer, seed: int) -> str:
+    """A short story from the model as it is now: the same prompt and seed at every evaluation."""
+    model.eval()
+    prompt = [EOT] + tokenizer.encode("Once upon a time")
+    n = min(48, model.config.context - len(prompt))
+    generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
+    if kind == "mdlm":
+        ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
+    else:
+        ids, _ = ar_generate(model, prompt, n, temperature=0.8, top_k=50, generator=generator)
+    model.train()
+    return "Once upon a time" + tokenizer.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
 
 
 class StopOnSignal:
@@ -160,12 +179,13 @@ def main(argv=None):
     torch.manual_seed(run["seed"])
     if ckpt is None:
         overrides = {"context": run["context"]} if run["context"] else {}
-        model = Transformer(preset(run["preset"], **overrides)).to(device)
+        model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
     else:
         model = model_from(ckpt, out / "ckpt.pt", device)
     config = model.config
     print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
           f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
+    tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     window = config.context + extra
@@ -180,7 +200,9 @@ def main(argv=None):
         if "cuda" in ckpt["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         print(f"resuming {out / 'ckpt.pt'} at step {step}")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    # bf16 autocast only where the GPU has bf16 units (not a T4: emulated bf16 is slower than fp32).
+    fast_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fast_bf16 else nullcontext()
 
     def save():
         rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
@@ -199,8 +221,10 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             windows = sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
+            # The noise of step i comes from (seed, i) alone, like its batch: resuming replays it.
+            noise = torch.Generator(device).manual_seed(run["seed"] * 998_244_353 + step)
             with autocast:
-                loss, _ = loss_fn(model, windows)
+                loss, _ = loss_fn(model, windows, noise)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), run["grad_clip"])
@@ -212,8 +236,11 @@ def main(argv=None):
             bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}")
             if step % run["eval_every"] == 0 or step == run["max_steps"]:
                 stats = evaluate(model, loss_fn, val_windows, run["batch_size"], autocast)
+                if "elbo" in stats:  # the bound's exp bounds the perplexity; masked_ce's does not
+                    stats["ppl<="] = math.exp(stats["elbo"])
                 bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
                           + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+                bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
             if step % args.ckpt_every == 0 or step == run["max_steps"]:
                 save()
             if stop.requested:

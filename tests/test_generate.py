@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tinydiff import bench
 from tinydiff.checkpoint import save_checkpoint
 from tinydiff.errors import UserError
-from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.model import Transformer
+from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,12 +56,70 @@ def test_bad_checkpoint_is_one_line(tmp_path):
     assert res.returncode != 0 and res.stderr.strip().startswith("error:") and "Traceback" not in res.stderr
 
 
-def test_bench_ar_row(ckpt, tmp_path):
-    report = bench.main(["--ckpt", str(ckpt), "--new-tokens", "5", "--prompts", "2",
-                         "--json", str(tmp_path / "b.json")])
-    assert json.loads((tmp_path / "b.json").read_text()) == report
-    (row,) = report["rows"]
-    assert row["method"] == "ar" and row["tau"] == 1 and row["target_forwards_per_token"] == 1
-    assert row["speedup_vs_ar"] == 1 and row["tokens_per_s"] > 0 and report["device"]
+@pytest.fixture
+def mdlm_ckpt(tmp_path, tiny_config):
+    config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
+    torch.manual_seed(1)
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=config, model=Transformer(config))
+    return tmp_path / "mdlm.pt"
+
+
+def test_diffusion_json_output(mdlm_ckpt):
+    res = run("--ckpt", mdlm_ckpt, "--prompt", "Once upon a time", "--gen-length", 8, "--block-length", 4,
+              "--steps", 4, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["ids"]) == 8 and MASK not in out["ids"]
+    assert out["stats"]["forwards"] == 4 and out["stats"]["tokens_per_forward"] == 2
+
+
+def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
+    draft_config = type(tiny_config)(**{**tiny_config.__dict__, "n_layer": 1})
+    torch.manual_seed(2)
+    save_checkpoint(tmp_path / "draft.pt", kind="ar", config=draft_config, model=Transformer(draft_config))
+    common = ["--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 12, "--temperature", 0, "--json"]
+    ar = json.loads(run(*common).stdout)
+    spec = json.loads(run(*common, "--method", "spec", "--draft", tmp_path / "draft.pt", "--k", 3).stdout)
+    vllm = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 2}' % (tmp_path / "draft.pt")
+    via_config = json.loads(run(*common, "--speculative-config", vllm).stdout)
+    assert spec["ids"] == ar["ids"] == via_config["ids"]
+    assert spec["stats"]["target_forwards"] == spec["stats"]["rounds"] and len(spec["stats"]["accepted"]) == 4
+    assert len(via_config["stats"]["accepted"]) == 3
+    for bad, message in (("{", "not valid JSON"), ('{"method": "eagle"}', "draft_model")):
+        res = run("--ckpt", ckpt, "--prompt", "hi", "--speculative-config", bad)
+        assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
+    res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "spec")
+    assert "needs --draft" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
+    (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
+    (["--method", "ar"], "needs a ar checkpoint"),
+])
+def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
+    res = run("--ckpt", mdlm_ckpt, "--prompt", "hi", *args)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert message in res.stderr.strip().splitlines()[-1]
+
+
+def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
+    report = bench.main(["--ckpt", str(ckpt), "--mdlm", str(mdlm_ckpt), "--new-tokens", "8", "--prompts", "2",
+                         "--data", str(story_file), "--json", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text()) == report and report["device"]
+    rows = {r["method"]: r for r in report["rows"]}
+    assert list(rows) == list(bench.METHODS)
+    assert rows["ar"]["tau"] == 1 and rows["ar"]["target_forwards_per_token"] == 1 and rows["ar"]["speedup_vs_ar"] == 1
+    for k in (2, 4, 8):
+        spec = rows[f"spec-k{k}"]
+        assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
+        assert len(spec["accepted_hist"]) == k + 1
+        assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
+    assert report["draft_target_cost_c"] > 0
+    for name in ("diffusion", "diffusion-cached"):  # one token per denoising step
+        assert rows[name]["target_forwards_per_token"] == 1
+    assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1
+    assert all(r["tokens_per_s"] > 0 and r["heldout_nll"] > 0 and r["heldout_bpb"] > 0 for r in rows.values())
+    assert rows["diffusion"]["heldout_nll"] == rows["diffusion-cached"]["heldout_nll"]  # one model, one number
     with pytest.raises(UserError, match="unknown method"):
         bench.main(["--methods", "nope"])

@@ -16,8 +16,8 @@ from tinydiff.errors import UserError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def argv(data, out, *extra):
-    return ["--data", str(data), "--out", str(out), "--preset", "draft", "--context", "16",
+def argv(data, out, *extra, kind="mdlm"):
+    return ["--model", kind, "--data", str(data), "--out", str(out), "--preset", "draft", "--context", "16",
             "--batch-size", "2", "--max-steps", "6", "--warmup", "2", "--eval-every", "3",
             "--eval-batches", "1", "--ckpt-every", "2", "--seed", "3", "--device", "cpu", *extra]
 
@@ -32,30 +32,35 @@ def assert_same_weights(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.fixture(params=["mdlm", "ar"])
+def kind(request):
+    return request.param
+
+
 @pytest.fixture
-def uninterrupted(story_file, tmp_path):
-    train.main(argv(story_file, tmp_path / "full"))
+def uninterrupted(story_file, tmp_path, kind):
+    train.main(argv(story_file, tmp_path / "full", kind=kind))
     return final_weights(tmp_path / "full")
 
 
-def interrupt_at(monkeypatch, call: int, action):
-    """Run `action` inside the `call`-th loss evaluation of training (1-based)."""
-    loss_fn, extra = train.OBJECTIVES["ar"]
+def interrupt_at(monkeypatch, kind: str, call: int, action):
+    """Run `action` inside the `call`-th training loss evaluation (1-based) of `kind`."""
+    loss_fn, extra = train.OBJECTIVES[kind]
     calls = {"n": 0}
 
-    def wrapped(model, windows):
+    def wrapped(model, windows, generator):
         if model.training:
             calls["n"] += 1
             if calls["n"] == call:
                 action()
-        return loss_fn(model, windows)
-    monkeypatch.setitem(train.OBJECTIVES, "ar", (wrapped, extra))
+        return loss_fn(model, windows, generator)
+    monkeypatch.setitem(train.OBJECTIVES, kind, (wrapped, extra))
 
 
-def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, capsys, uninterrupted):
+def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, capsys, kind, uninterrupted):
     out = tmp_path / "run"
-    interrupt_at(monkeypatch, 4, lambda: os.kill(os.getpid(), signal.SIGINT))  # a real signal
-    train.main(argv(story_file, out))
+    interrupt_at(monkeypatch, kind, 4, lambda: os.kill(os.getpid(), signal.SIGINT))  # a real signal
+    train.main(argv(story_file, out, kind=kind))
     assert load_checkpoint(out / "ckpt.pt")["step"] == 4  # finished the step it was in, then saved
     assert "--resume" in capsys.readouterr().out
     monkeypatch.undo()
@@ -63,24 +68,25 @@ def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypat
     assert_same_weights(final_weights(out), uninterrupted)
 
 
-def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, uninterrupted):
+def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, kind, uninterrupted):
     out = tmp_path / "run"
 
     def kill():  # dies mid-step 5 with no chance to save: the step-4 checkpoint is what is left
         raise SystemExit("killed")
-    interrupt_at(monkeypatch, 5, kill)
+    interrupt_at(monkeypatch, kind, 5, kill)
     with pytest.raises(SystemExit):
-        train.main(argv(story_file, out))
+        train.main(argv(story_file, out, kind=kind))
     assert load_checkpoint(out / "ckpt.pt")["step"] == 4
     monkeypatch.undo()
     train.main(["--out", str(out), "--resume"])
     assert_same_weights(final_weights(out), uninterrupted)
 
 
-def test_checkpoint_holds_the_whole_training_state(story_file, tmp_path):
-    train.main(argv(story_file, tmp_path / "r"))
+def test_checkpoint_holds_the_whole_training_state(story_file, tmp_path, kind):
+    train.main(argv(story_file, tmp_path / "r", kind=kind))
     ckpt = load_checkpoint(tmp_path / "r" / "ckpt.pt")
-    assert ckpt["kind"] == "ar" and ckpt["step"] == 6 and ckpt["data"] == {"seed": 3, "index": 6}
+    assert ckpt["config"]["causal"] == (kind == "ar")
+    assert ckpt["kind"] == kind and ckpt["step"] == 6 and ckpt["data"] == {"seed": 3, "index": 6}
     assert {"optimizer", "rng", "args", "config"} <= ckpt.keys()
     assert ckpt["config"]["context"] == 16 and ckpt["args"]["preset"] == "draft"
 

@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
-from tinydiff.sampling import sample, warp
-from tinydiff.tokenizer import EOT, MASK
+from tinydiff.sampling import next_token_probs, sample
+from tinydiff.tokenizer import EOT
 
 
-def ar_loss(model, windows):
-    """Mean next-token cross-entropy on windows (B, T+1); returns (loss, stats)."""
+def ar_loss(model, windows, generator=None):
+    """Mean next-token cross-entropy on windows (B, T+1); returns (loss, stats).
+
+    `generator` is unused (the AR loss draws no noise); it keeps one signature for all losses.
+    """
     x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
     logits = model(x, causal=True)  # (B, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
@@ -54,8 +57,7 @@ def ar_generate(model, prompt, max_new_tokens=None, temperature=1.0, top_k=None,
     while len(out) < n_new:
         logits = model(x, cache=cache, causal=True)[:, -1]  # (1, V)
         forwards += 1
-        logits[:, MASK] = float("-inf")
-        token = sample(warp(logits, temperature, top_k, top_p), generator)  # (1,)
+        token = sample(next_token_probs(logits, temperature, top_k, top_p), generator)  # (1,)
         out.append(int(token))
         if out[-1] == stop_token:
             break

@@ -1,6 +1,6 @@
 """`python -m tinydiff.bench`: every decoding method on the same prompts and checkpoints, one table.
 
-    python -m tinydiff.bench --ckpt out/ar-tiny/ckpt.pt --json bench.json
+    python -m tinydiff.bench --ckpt out/ar-tiny/ckpt.pt --mdlm out/mdlm-tiny/ckpt.pt --json bench.json
 
 Each method decodes the same fixed story openings for the same number of new tokens (no stop at
 EOT, so every method does the same work) after one untimed warm-up prompt. Columns:
@@ -8,21 +8,31 @@ EOT, so every method does the same work) after one untimed warm-up prompt. Colum
   target_forwards_per_token  forward passes of the target model / new tokens
   tau                        new tokens per target forward (1 for plain AR decoding)
   speedup_vs_ar              tokens_per_s / the `ar` row's tokens_per_s
-Without --ckpt the target is an untrained `tiny` model: speeds are real, the text is noise.
-Methods land here as they are built; this file has the `ar` row.
+  heldout_nll, heldout_bpb   with --data: nats/token and bits/byte on the file's validation
+                             split; exact for the AR model, the ELBO bound for the diffusion LM
+For the diffusion rows the "target" is the diffusion LM: one forward = one denoising step.
+`diffusion` commits one token per step (LLaDA, blocks of 32), `diffusion-threshold` every token
+at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache.
+Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
 """
 import argparse
 import json
+import math
 import platform
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
-from tinydiff.ar import ar_generate
+from tinydiff.bench_methods import METHODS, USES
 from tinydiff.checkpoint import load_model
+from tinydiff.data import eval_windows, load_tokens, prepare_tokens
+from tinydiff.diffusion import elbo
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer, preset
+from tinydiff.speculative import leviathan_speedup
 from tinydiff.tokenizer import EOT, Tokenizer
 
 PROMPTS = [
@@ -31,16 +41,6 @@ PROMPTS = [
     "One day, a big bear found a red ball in the forest.",
     "Sam wanted to help his mom in the kitchen.",
 ]
-
-
-def run_ar(models, prompt, args, generator):
-    """Plain KV-cached decoding with the target: one forward per token."""
-    ids, stats = ar_generate(models["target"], prompt, args.new_tokens, args.temperature,
-                             generator=generator, stop_token=None)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
-
-
-METHODS = {"ar": run_ar}
 
 
 def device_name(device: str) -> str:
@@ -56,33 +56,90 @@ def device_name(device: str) -> str:
 
 
 def measure(method, models, prompts, args) -> dict:
-    """Sum a method's counts over all prompts (after one untimed warm-up run)."""
+    """Sum a method's counts over all prompts (after one untimed warm-up run).
+
+    Every method reports new_tokens, seconds and target_forwards; speculative ones also an
+    accepted-count histogram and the drafts proposed, from which alpha follows.
+    """
     generator = torch.Generator(args.device).manual_seed(args.seed)
     method(models, prompts[0], args, generator)
-    totals = {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0}
+    totals = {}
     for prompt in prompts:
         generator.manual_seed(args.seed)
         for key, value in method(models, prompt, args, generator).items():
-            totals[key] += value
-    return {"tokens_per_s": totals["new_tokens"] / totals["seconds"],
-            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
-            "tau": totals["new_tokens"] / totals["target_forwards"]}
+            if isinstance(value, list):
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(value)), value)]
+            else:
+                totals[key] = totals.get(key, 0) + value
+    row = {"tokens_per_s": totals["new_tokens"] / totals["seconds"],
+           "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
+           "tau": totals["new_tokens"] / totals["target_forwards"]}
+    if "accepted" in totals:
+        row["accepted_hist"] = totals["accepted"]
+        accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
+        row["alpha"] = accepted / totals["proposed"] if totals["proposed"] else None
+    return row
+
+
+@torch.no_grad()
+def forward_seconds(model, prompt, device, n: int = 16) -> float:
+    """Median seconds of one single-token KV-cached forward after `prompt`: decoding's unit cost."""
+    cache = model.new_cache(1)
+    x = torch.tensor([prompt], device=device)
+    model(x, cache=cache, causal=True)
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        model(x[:, -1:], cache=cache, causal=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        cache.crop(cache.length - 1)
+    return sorted(times)[n // 2]
 
 
 def load_models(args) -> dict:
-    if args.ckpt:
-        target, _ = load_model(args.ckpt, args.device, kinds=("ar",))
-    else:
-        print("notice: no --ckpt, benchmarking an untrained 'tiny' model (speeds are real, text is not)",
-              file=sys.stderr)
-        torch.manual_seed(args.seed)
-        target = Transformer(preset("tiny")).to(args.device).eval()
-    return {"target": target}
+    models = {}
+    for name, path, kind, size in (("target", args.ckpt, "ar", "tiny"), ("draft", args.draft, "ar", "draft"),
+                                   ("mdlm", args.mdlm, "mdlm", "tiny")):
+        if path:
+            models[name], _ = load_model(path, args.device, kinds=(kind,))
+        else:
+            print(f"notice: no checkpoint for the {name} model, timing an untrained '{size}' one "
+                  "(speeds are real, text is not)", file=sys.stderr)
+            torch.manual_seed(args.seed)
+            models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
+    return models
+
+
+@torch.no_grad()
+def heldout_nll(models, args, tokenizer) -> dict:
+    """(nats/token, bits/byte) on 16 windows of --data's validation split, per model: exact for
+    the AR model, the ELBO bound (4 noise draws) for the diffusion LM."""
+    _, val_path = prepare_tokens(args.data)
+    out = {}
+    for name, model in models.items():
+        if name == "draft":
+            continue
+        windows = eval_windows(load_tokens(val_path), 16, model.config.context).to(args.device)
+        if name == "target":
+            logits = model(windows[:, :-1], causal=True)
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+            scored = windows[:, 1:]
+        else:
+            nll = elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
+            scored = windows
+        n_bytes = sum(len(tokenizer.decode(row).encode()) for row in scored.tolist())
+        out[name] = (nll, nll * scored.numel() / (n_bytes * math.log(2)))
+    return out
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark every decoding method on the same prompts.")
     p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
+    p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
+    p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
+    p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
@@ -104,20 +161,33 @@ def main(argv=None):
     tokenizer = Tokenizer()
     prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
     models = load_models(args)
+    nll = heldout_nll(models, args, tokenizer) if args.data else {}
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
-        rows.append({"method": name, **measure(METHODS[name], models, prompts, args)})
+        nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
+        rows.append({"method": name, **measure(METHODS[name], models, prompts, args),
+                     "heldout_nll": nll_row, "heldout_bpb": bpb_row})
     ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
+    c = forward_seconds(models["draft"], prompts[0], args.device) / forward_seconds(models["target"], prompts[0], args.device)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar_speed if ar_speed else None
-    report = {"device": device_name(args.device), "rows": rows}
+        if row["method"].startswith("spec-") and row.get("alpha") is not None:
+            row["predicted_speedup"] = leviathan_speedup(row["alpha"], int(row["method"][len("spec-k"):]), c)
+    report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
     print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
           f"temperature {args.temperature}")
-    print(f"{'method':<16}{'tokens/s':>10}{'target fwd/token':>18}{'tau':>7}{'speedup vs ar':>15}")
+    print(f"{'method':<22}{'tokens/s':>10}{'target fwd/token':>18}{'tau':>7}{'speedup vs ar':>15}"
+          f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}")
     for r in rows:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
-        print(f"{r['method']:<16}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
-              f"{r['tau']:>7.2f}{speedup:>15}")
+        quality = (f"{r['heldout_nll']:>13.3f}{r['heldout_bpb']:>11.3f}" if r["heldout_nll"] is not None
+                   else f"{'-':>13}{'-':>11}")
+        alpha = f"{r['alpha']:>7.2f}" if r.get("alpha") is not None else f"{'-':>7}"
+        predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
+              f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}")
+    print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

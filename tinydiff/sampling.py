@@ -4,11 +4,13 @@ Every decoding method warps its distributions through `warp` so that a draft and
 warped identically (speculative sampling is lossless only for the distributions it compares).
 Temperature 0 is greedy decoding written as a distribution: all mass on the argmax (first index
 on ties), so greedy and sampled decoding run through the same code.
+`residual` is what speculative sampling draws from after it rejects a draft token.
 Leaves out: repetition penalties, min-p, typical sampling.
 """
 import torch
 
 from tinydiff.errors import UserError
+from tinydiff.tokenizer import MASK
 
 
 def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
@@ -40,7 +42,31 @@ def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: floa
     return probs
 
 
+def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Warped next-token probabilities (..., V) of a language model: MASK is never generated.
+
+    Only the diffusion models use MASK, as an input; tiny test models may not have the id at all.
+    """
+    if logits.shape[-1] > MASK:
+        logits = logits.clone()
+        logits[..., MASK] = float("-inf")
+    return warp(logits, temperature, top_k, top_p)
+
+
 def sample(probs, generator: torch.Generator | None = None):
     """One token id per row of probs (..., V) -> (...)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def residual(p, q):
+    """norm(max(0, p - q)) over the last dim of p, q (..., V): the correction after a rejection.
+
+    Accepting a draft x ~ q with probability min(1, p(x)/q(x)) yields token y with probability
+    min(p(y), q(y)); the rejection mass 1 - sum(min(p, q)) times this residual supplies the rest
+    of p. Where p == q nothing is ever rejected and the residual is never sampled: we return p
+    there so the result is still a distribution.
+    """
+    r = (p - q).clamp_min(0)  # (..., V)
+    mass = r.sum(-1, keepdim=True)  # (..., 1)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)

@@ -1,0 +1,53 @@
+"""Spec: sample-quality metrics. Generative perplexity is the judge's exp(mean NLL); distinct-n
+counts unique n-grams."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinydiff import quality
+from tinydiff.checkpoint import save_checkpoint
+from tinydiff.errors import UserError
+from tinydiff.model import Transformer
+from tinydiff.tokenizer import EOT
+
+
+def test_distinct_n_counts_unique_ngrams():
+    assert quality.distinct_n([[1, 2, 1, 2, 1]], 2) == 2 / 4
+    assert quality.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4  # pooled across samples
+    assert quality.distinct_n([[5, 5, 5, 5]], 1) == 1 / 4 and quality.distinct_n([[7]], 2) == 0.0
+
+
+def test_story_ends_at_the_first_eot():
+    assert quality.story([3, 4, EOT, 9, EOT]) == [3, 4, EOT] and quality.story([3, 4]) == [3, 4]
+
+
+@torch.no_grad()
+def test_generative_perplexity_is_exp_mean_nll(tiny_model):
+    samples = [[5, 6, 7], [8, 9]]
+    nll = 0.0
+    for s in samples:
+        seq = torch.tensor([[EOT] + s])
+        logp = F.log_softmax(tiny_model(seq, causal=True)[0, :-1], -1)
+        nll -= logp.gather(-1, seq[0, 1:, None]).sum().item()
+    assert quality.generative_perplexity(tiny_model, samples) == pytest.approx(math.exp(nll / 5), rel=1e-5)
+    with pytest.raises(UserError, match="no sample"):
+        quality.generative_perplexity(tiny_model, [[], []])
+
+
+def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
+    save_checkpoint(tmp_path / "ar.pt", kind="ar", config=tiny_config, model=tiny_model)
+    mdlm_config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
+    rows = quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"),
+                         "--ar", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
+                         "--block-length", "4", "--revise", "1"])
+    assert [r["sampler"] for r in rows] == list(quality.SAMPLERS)
+    by_name = {r["sampler"]: r for r in rows}
+    assert by_name["diffusion"]["forwards_per_token"] == 1.0
+    assert by_name["diffusion-revise"]["forwards_per_token"] == (8 + 2 * 1) / 8
+    assert by_name["diffusion-threshold"]["forwards_per_token"] <= 1.0
+    assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
+    with pytest.raises(UserError, match="nothing to sample"):
+        quality.main(["--judge", str(tmp_path / "ar.pt")])

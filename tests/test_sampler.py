@@ -1,0 +1,124 @@
+"""Spec: the diffusion samplers, step by step. Every step is recorded through the callback and
+checked against a recomputation of that step from the canvas before it."""
+import pytest
+import torch
+
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.sampler import commit_schedule, generate, generate_cached, propose
+from tinydiff.tokenizer import MASK
+
+PROMPT = [50256, 464, 3797, 318]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False)).eval()
+
+
+def run(model, **kwargs):
+    events = []
+    ids, stats = generate(model, PROMPT, callback=events.append, **kwargs)
+    before = [torch.tensor(PROMPT + [MASK] * kwargs["gen_length"])] + [e["canvas"] for e in events[:-1]]
+    return ids, stats, list(zip(before, events))
+
+
+def test_commit_schedule_spreads_the_remainder_over_the_first_steps():
+    assert commit_schedule(10, 4) == [3, 3, 2, 2]
+    assert commit_schedule(8, 8) == [1] * 8 and commit_schedule(3, 5) == [1, 1, 1, 0, 0]
+    for masks in range(1, 40):
+        for steps in range(1, 12):
+            plan = commit_schedule(masks, steps)
+            assert sum(plan) == masks and max(plan) - min(plan) <= 1 and plan == sorted(plan, reverse=True)
+
+
+@pytest.mark.parametrize("steps, block_length", [(16, 8), (8, 8), (4, 16), (16, 16)])
+def test_llada_schedule_invariants(model, steps, block_length):
+    ids, stats, trace = run(model, gen_length=16, steps=steps, block_length=block_length)
+    blocks = 16 // block_length
+    plan = commit_schedule(block_length, steps // blocks)
+    done_blocks = -1
+    for i, (before, event) in enumerate(trace):
+        after, b = event["canvas"], event["block"]
+        lo = len(PROMPT) + b * block_length
+        changed = (before != after).nonzero().flatten().tolist()
+        assert sorted(changed) == sorted(event["committed"])  # nothing else moved
+        assert all(before[p] == MASK and lo <= p < lo + block_length for p in changed)  # only masks, only this block
+        assert (after[:lo] != MASK).all()  # earlier blocks were finished before this one started
+        assert (after[lo + block_length:] == MASK).all()  # later blocks untouched
+        step_in_block = sum(1 for _, e in trace[:i] if e["block"] == b)
+        assert len(changed) == plan[step_in_block]
+        done_blocks = max(done_blocks, b)
+    assert done_blocks == blocks - 1 and MASK not in ids and len(ids) == 16
+    assert stats["forwards"] == len(trace) == steps
+
+
+def test_temperature_zero_commits_the_most_confident_argmax(model):
+    _, _, trace = run(model, gen_length=16, steps=8, block_length=8)
+    for before, event in trace:
+        lo = len(PROMPT) + event["block"] * 8
+        logits = model(before[None], causal=False)[0, lo:lo + 8]
+        candidates, confidence = propose(logits, 0.0, "low_confidence")
+        confidence[before[lo:lo + 8] != MASK] = -1
+        top = (lo + confidence.topk(len(event["committed"])).indices).tolist()
+        assert sorted(top) == sorted(event["committed"])
+        assert all(event["canvas"][p] == candidates[p - lo] for p in top)
+
+
+@pytest.mark.parametrize("threshold", [0.9, 1e-5, 1e-6])
+def test_threshold_commits_all_above_and_at_least_one(model, threshold):
+    ids, stats, trace = run(model, gen_length=16, steps=16, block_length=8, threshold=threshold)
+    for before, event in trace:
+        lo = len(PROMPT) + event["block"] * 8
+        _, confidence = propose(model(before[None], causal=False)[0, lo:lo + 8], 0.0, "low_confidence")
+        masked = (before[lo:lo + 8] == MASK)
+        above = (lo + ((confidence >= threshold) & masked).nonzero().flatten()).tolist()
+        assert len(event["committed"]) == max(1, len(above))
+        assert set(above) <= set(event["committed"])
+    assert MASK not in ids and stats["forwards"] == len(trace) <= 16
+
+
+def test_self_correction_changes_only_the_revised_tokens(model):
+    g = torch.Generator().manual_seed(4)
+    ids, stats, trace = run(model, gen_length=16, steps=8, block_length=8, revise=3, temperature=1.0, generator=g)
+    revisions = 0
+    for before, event in trace:
+        changed = (before != event["canvas"]).nonzero().flatten().tolist()
+        overwritten = [p for p in changed if before[p] != MASK]
+        assert set(overwritten) <= set(event["revised"])
+        assert (event["canvas"][:len(PROMPT)] == torch.tensor(PROMPT)).all()
+        if event["revised"]:
+            revisions += 1
+            assert event["committed"] == event["revised"]  # re-masked, then predicted again
+    assert revisions == 2 * 3 and stats["forwards"] == 8 + 2 * 3 and MASK not in ids
+
+
+def test_same_seed_same_tokens(model):
+    def sample(seed, **kw):
+        return generate(model, PROMPT, 16, 8, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)[0]
+    for kw in ({}, {"remasking": "random"}, {"threshold": 0.5}):
+        assert sample(1, **kw) == sample(1, **kw) != sample(2, **kw)
+
+
+@pytest.mark.parametrize("steps, block_length, threshold", [(16, 8, None), (8, 4, None), (4, 16, None), (16, 8, 0.5)])
+def test_cached_equals_uncached_block_causal(model, steps, block_length, threshold):
+    a, sa = generate(model, PROMPT, 16, steps, block_length, threshold=threshold, block_causal=True)
+    b, sb = generate_cached(model, PROMPT, 16, steps, block_length, threshold=threshold)
+    assert a == b and sa["forwards"] == sb["forwards"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gen_length=10, block_length=4), "multiple of the block length"),
+    (dict(steps=3), "multiple of the number of blocks"),
+    (dict(remasking="best"), "remasking"),
+    (dict(threshold=1.5), "threshold"),
+    (dict(temperature=-1), "temperature"),
+    (dict(gen_length=64), "max new tokens"),
+])
+def test_bad_arguments(model, kwargs, message):
+    args = {"gen_length": 16, "steps": 8, "block_length": 8, **kwargs}
+    with pytest.raises(UserError, match=message):
+        generate(model, PROMPT, **args)
+    with pytest.raises(UserError, match="empty"):
+        generate_cached(model, [], 8, 8, 8)

@@ -1,0 +1,46 @@
+"""The decoding methods `python -m tinydiff.bench` compares, each as one runner function.
+
+A runner decodes one prompt and returns counts that the bench sums over prompts:
+new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
+(`accepted`) and the drafts `proposed`. `models` holds "target" (the AR model), "draft" (the small
+AR draft) and "mdlm" (the diffusion LM). No runner stops at EOT: every method does the same work.
+"""
+from tinydiff.ar import ar_generate
+from tinydiff.sampler import generate, generate_cached
+from tinydiff.speculative import speculative_generate
+
+
+def run_ar(models, prompt, args, generator):
+    """Plain KV-cached decoding with the target: one forward per token."""
+    ids, stats = ar_generate(models["target"], prompt, args.new_tokens, args.temperature,
+                             generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
+
+
+def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
+    """The diffusion LM fills a canvas of new_tokens MASKs in blocks of 32."""
+    n = args.new_tokens
+    ids, stats = sampler(models["mdlm"], prompt, n, n, min(32, n), args.temperature,
+                         generator=generator, **options)
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
+
+
+def run_spec(models, prompt, args, generator, k):
+    """The draft proposes k tokens, the target verifies them in one forward."""
+    ids, stats = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
+                                      args.temperature, generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
+            "accepted": stats["accepted"], "proposed": stats["proposed"]}
+
+
+METHODS = {
+    "ar": run_ar,
+    "spec-k2": lambda *a: run_spec(*a, k=2),
+    "spec-k4": lambda *a: run_spec(*a, k=4),
+    "spec-k8": lambda *a: run_spec(*a, k=8),
+    "diffusion": run_diffusion,
+    "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
+    "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
+}
+# method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
+USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target"}

@@ -1,0 +1,106 @@
+"""Masked diffusion (MDLM / LLaDA): the forward process, the training loss, and the likelihood bound.
+
+Forward process: draw t ~ U(eps, 1) and replace each token by MASK independently with
+probability t. MASK is absorbing: once masked, a token stays masked as t grows.
+The model sees the noisy sequence with bidirectional attention and predicts the clean token at
+every masked position. No timestep input: the fraction of MASKs tells the model t.
+
+Loss (the continuous-time ELBO, MDLM eq. 10 / LLaDA eq. 3):
+    bound = E_t [ (1/t) * sum over masked positions of -log p(x_i | noisy) ] / T
+an upper bound on the negative log-likelihood per token, so exp(bound) bounds the perplexity.
+The unweighted mean cross-entropy over masked tokens is logged as `masked_ce`: a training
+signal only, not a likelihood.
+SUBS parameterisation: the MASK logit is -inf (the clean data has no MASKs), and unmasked
+positions carry no loss (their prediction is the input, copied through).
+
+Leaves out: timestep conditioning, other noise schedules (this is the linear one, alpha_t = 1 - t),
+the low-variance "exact count" estimator for training (used here only to test the bound).
+Samplers live in tinydiff/sampler.py.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.tokenizer import MASK
+
+EPS = 1e-3  # t is drawn from (EPS, 1): the 1/t weight stays finite
+
+
+def sample_t(batch_size: int, generator=None, device="cpu", eps: float = EPS):
+    """Stratified t (B,): one uniform offset, spread evenly over the batch (lower variance)."""
+    u = torch.rand((), generator=generator, device=device)
+    strata = (u + torch.arange(batch_size, device=device) / batch_size) % 1.0
+    return eps + (1 - eps) * strata
+
+
+def add_noise(x, t, uniforms=None, generator=None):
+    """Mask each token of x (B, T) with probability t (B,); returns (noisy, masked) both (B, T).
+
+    Masking is `uniform < t` for one uniform per position, so with shared `uniforms` a larger t
+    masks a superset: the process is monotone, as an absorbing state must be.
+    """
+    if uniforms is None:
+        uniforms = torch.rand(x.shape, generator=generator, device=x.device)
+    masked = uniforms < t[:, None]
+    return torch.where(masked, torch.full_like(x, MASK), x), masked
+
+
+def subs_logits(logits):
+    """SUBS: the model never predicts MASK (B, T, V)."""
+    if logits.shape[-1] > MASK:
+        logits = logits.clone()
+        logits[..., MASK] = float("-inf")
+    return logits
+
+
+def masked_token_ce(model, x, noisy, masked):
+    """-log p(x_i | noisy) at masked positions, 0 elsewhere: (B, T) float32."""
+    logits = subs_logits(model(noisy, causal=False).float())  # (B, T, V)
+    ce = F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
+    return ce * masked
+
+
+def mdlm_loss(model, x, generator=None):
+    """The ELBO training loss on clean windows x (B, T); returns (loss, stats).
+
+    stats: elbo (the bound, nats/token; equal to the loss) and masked_ce (unweighted CE over
+    the masked tokens; not a likelihood).
+    """
+    B, T = x.shape
+    t = sample_t(B, generator, x.device)
+    noisy, masked = add_noise(x, t, generator=generator)
+    ce = masked_token_ce(model, x, noisy, masked)  # (B, T)
+    loss = (ce / t[:, None]).sum() / (B * T)
+    masked_ce = ce.sum() / masked.sum().clamp(min=1)
+    return loss, {"elbo": loss.detach(), "masked_ce": masked_ce.detach()}
+
+
+@torch.no_grad()
+def elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = None) -> dict:
+    """The per-token NLL bound of sequences x (B, T), averaged over `mc` noise draws.
+
+    Returns bound (nats/token), stderr (its Monte-Carlo standard error over the draws),
+    ppl_bound (exp(bound): perplexity <= this), and, given the byte length of the text the
+    tokens encode, bits_per_byte (an upper bound too).
+    """
+    if mc < 2:
+        raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
+    if x.dim() != 2 or x.numel() == 0:
+        raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
+    if (x == MASK).any():
+        raise UserError("elbo scores clean text; the input holds MASK tokens")
+    B, T = x.shape
+    draws = []
+    for _ in range(mc):
+        t = sample_t(B, generator, x.device)
+        noisy, masked = add_noise(x, t, generator=generator)
+        ce = masked_token_ce(model, x, noisy, masked)
+        draws.append(float((ce / t[:, None]).sum() / (B * T)))
+    draws = torch.tensor(draws, dtype=torch.float64)
+    bound, stderr = draws.mean().item(), (draws.std() / math.sqrt(mc)).item()
+    out = {"bound": bound, "stderr": stderr, "ppl_bound": math.exp(bound)}
+    if n_bytes is not None:
+        out["bits_per_byte"] = bound * B * T / (n_bytes * math.log(2))
+    return out

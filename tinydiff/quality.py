@@ -1,0 +1,121 @@
+"""`python -m tinydiff.quality`: how good are the samples? Generative perplexity and distinct-2.
+
+    python -m tinydiff.quality --judge out/ar-13m/ckpt.pt --mdlm out/mdlm-13m/ckpt.pt --samples 64
+
+Each sampler writes `--samples` stories from the same start (EOT, then nothing: unconditional)
+with seeds 0..N-1. A story ends at its first EOT (kept, so stopping is judged too).
+  gen_ppl     exp(mean NLL per token) of the samples under an AR "judge" model: lower = more
+              like the judge's idea of TinyStories. Repeating one phrase also scores low, so
+  distinct_2  unique bigrams / all bigrams over the samples sits beside it (1.0 = no repeats).
+Leaves out: MAUVE, human judgement, an external judge model (ours is the project's AR model).
+"""
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tinydiff.ar import ar_generate
+from tinydiff.checkpoint import load_model
+from tinydiff.errors import UserError
+from tinydiff.sampler import generate, generate_cached
+from tinydiff.tokenizer import EOT, Tokenizer
+
+
+def story(ids: list[int]) -> list[int]:
+    """The ids up to and including the first EOT."""
+    return ids[:ids.index(EOT) + 1] if EOT in ids else ids
+
+
+@torch.no_grad()
+def generative_perplexity(judge, samples: list[list[int]], prefix=(EOT,)) -> float:
+    """exp of the judge's mean NLL per sample token, each sample scored after `prefix`."""
+    total, count = 0.0, 0
+    device = judge.embed.weight.device
+    for ids in samples:
+        if not ids:
+            continue
+        seq = torch.tensor([list(prefix) + ids], device=device)  # (1, P + n)
+        logits = judge(seq[:, :-1], causal=True)[0, len(prefix) - 1:]  # (n, V): predicts each sample token
+        total += F.cross_entropy(logits.float(), seq[0, len(prefix):], reduction="sum").item()
+        count += len(ids)
+    if count == 0:
+        raise UserError("no sample has any tokens to score")
+    return math.exp(total / count)
+
+
+def distinct_n(samples: list[list[int]], n: int = 2) -> float:
+    """Unique n-grams / all n-grams, pooled over the samples (0 when there are none)."""
+    grams = [tuple(ids[i:i + n]) for ids in samples for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, generator) -> (ids, stats))
+    "ar": ("ar", lambda m, p, a, g: ar_generate(m, p, a.gen_length, a.temperature, generator=g)),
+    "diffusion": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
+                                                      a.temperature, generator=g)),
+    "diffusion-threshold": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
+                                                                a.temperature, threshold=a.threshold, generator=g)),
+    "diffusion-revise": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
+                                                             a.temperature, revise=a.revise, generator=g)),
+    "diffusion-cached": ("mdlm", lambda m, p, a, g: generate_cached(m, p, a.gen_length, a.gen_length,
+                                                                    a.block_length, a.temperature, generator=g)),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Sample quality of every sampler: generative perplexity and distinct-2.")
+    p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
+    p.add_argument("--mdlm", help="diffusion LM checkpoint (its samplers are skipped without it)")
+    p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--threshold", type=float, default=0.9, help="for diffusion-threshold")
+    p.add_argument("--revise", type=int, default=4, help="self-correction steps per block, for diffusion-revise")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.samples < 1:
+        raise UserError(f"--samples must be >= 1, got {args.samples}")
+    if not (args.mdlm or args.ar):
+        raise UserError("nothing to sample from; pass --mdlm and/or --ar checkpoints")
+    judge, _ = load_model(args.judge, args.device, kinds=("ar",))
+    models = {}
+    if args.mdlm:
+        models["mdlm"], _ = load_model(args.mdlm, args.device, kinds=("mdlm",))
+    if args.ar:
+        models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
+    tokenizer = Tokenizer()
+    rows = []
+    for name, (key, sample) in SAMPLERS.items():
+        if key not in models:
+            continue
+        samples, forwards, tokens = [], 0, 0
+        for seed in tqdm(range(args.samples), desc=name, file=sys.stderr):
+            ids, stats = sample(models[key], [EOT], args, torch.Generator(args.device).manual_seed(seed))
+            samples.append(story(ids))
+            forwards, tokens = forwards + stats["forwards"], tokens + len(ids)
+        rows.append({"sampler": name, "forwards_per_token": forwards / tokens,
+                     "gen_ppl": generative_perplexity(judge, samples), "distinct_2": distinct_n(samples),
+                     "example": tokenizer.decode(samples[0]).replace("\n", " ")})
+    print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, judge {args.judge}")
+    print(f"{'sampler':<22}{'fwd/token':>10}{'gen ppl':>10}{'distinct-2':>12}")
+    for r in rows:
+        print(f"{r['sampler']:<22}{r['forwards_per_token']:>10.3f}{r['gen_ppl']:>10.2f}{r['distinct_2']:>12.3f}")
+    for r in rows:
+        print(f"\n{r['sampler']}: {r['example'][:400]}")
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")

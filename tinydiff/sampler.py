@@ -1,0 +1,211 @@
+"""Samplers for the masked-diffusion LM: the canvas starts all-MASK after the prompt and fills in.
+
+`generate` follows LLaDA's reference sampler (Nie et al. 2025, `generate.py`):
+  - the answer is split into blocks of `block_length`, filled left to right (semi-autoregressive);
+  - `steps` is shared equally among the blocks; inside a block, step i commits
+    masks // steps tokens, plus one for each of the first (masks % steps) steps;
+  - each step is one forward pass; candidates are the argmax of Gumbel-perturbed logits
+    (float64 noise; temperature 0 = plain argmax); confidence is the softmax probability of the
+    candidate (`low_confidence`) or a uniform draw (`random`); the most confident masked positions
+    of the current block are committed. Prompt and committed tokens never change.
+Variants, each off by default:
+  - `threshold` (Fast-dLLM parallel decoding): commit every masked position of the block whose
+    confidence >= threshold, and always at least the most confident one;
+  - `revise` (self-correction, DiffusionGemma-style): after a block is full, `revise` extra steps
+    each re-mask the block's lowest-confidence token and predict it again with the finished block
+    in view;
+  - `block_causal`: attention across blocks is causal (a block sees the prompt, earlier blocks and
+    itself), inside a block bidirectional: the attention `generate_cached` needs.
+`generate_cached` is the block-causal sampler with a KV cache of the finished prefix (BD3-LM,
+Fast-dLLM): each step runs the current block only. Same tokens as `generate(block_causal=True)`.
+Leaves out: classifier-free guidance, batched prompts, approximate (stale) prefix caching.
+"""
+import time
+
+import torch
+
+from tinydiff.ar import check_prompt
+from tinydiff.diffusion import subs_logits
+from tinydiff.errors import UserError
+from tinydiff.tokenizer import MASK
+
+REMASKING = ("low_confidence", "random")
+
+
+def commit_schedule(masks: int, steps: int) -> list[int]:
+    """Tokens to commit at each of `steps` steps for `masks` masked positions (LLaDA)."""
+    base, extra = divmod(masks, steps)
+    return [base + (i < extra) for i in range(steps)]
+
+
+def propose(logits, temperature: float, remasking: str, generator=None):
+    """Candidates and confidences for logits (N, V): one Gumbel-max draw per position.
+
+    argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, without
+    overflowing exp. Noise and probabilities in float64: float32 Gumbel noise has visible ties.
+    """
+    logits = subs_logits(logits).double()  # (N, V)
+    if temperature > 0:
+        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+        candidates = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+    else:
+        candidates = logits.argmax(-1)  # (N,)
+    if remasking == "low_confidence":
+        confidence = torch.softmax(logits, -1).gather(-1, candidates[:, None]).squeeze(-1)
+    else:
+        confidence = torch.rand(candidates.shape, generator=generator, device=logits.device, dtype=torch.float64)
+    return candidates, confidence
+
+
+def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, temperature: float,
+           remasking: str, generator, confidences):
+    """One step on the block canvas[lo:lo+N] given its logits (N, V): commit tokens in place.
+
+    Commits the `count` most confident masked positions, or with a threshold all masked positions
+    at or above it (at least one). Records each committed position's confidence; returns the
+    committed positions (absolute indices).
+    """
+    candidates, confidence = propose(logits, temperature, remasking, generator)
+    masked = canvas[lo:lo + len(logits)] == MASK
+    confidence = confidence.masked_fill(~masked, float("-inf"))  # committed tokens never move
+    if threshold is not None:
+        count = max(1, int((confidence >= threshold).sum()))
+    chosen = torch.topk(confidence, min(count, int(masked.sum()))).indices
+    canvas[lo + chosen] = candidates[chosen]
+    confidences[lo + chosen] = confidence[chosen]
+    return (lo + chosen).tolist()
+
+
+def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold):
+    """Validate sampler arguments; return (number of blocks, steps per block)."""
+    check_prompt(prompt, model.config.context, gen_length)
+    if block_length < 1 or gen_length % block_length:
+        raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
+    blocks = gen_length // block_length
+    if steps < blocks or steps % blocks:
+        raise UserError(f"steps {steps} must be a positive multiple of the number of blocks ({blocks})")
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0 (0 = argmax), got {temperature}")
+    if remasking not in REMASKING:
+        raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
+    return blocks, steps // blocks
+
+
+def block_causal_mask(block_ids):
+    """(T, T) bool: position i sees j when j's block is not after i's."""
+    return block_ids[None, :] <= block_ids[:, None]
+
+
+class Trace:
+    """Counts forwards and reports every step to an optional callback(event dict)."""
+
+    def __init__(self, callback):
+        self.callback, self.forwards, self.start = callback, 0, time.perf_counter()
+
+    def step(self, canvas, block, committed, revised=()):
+        if self.callback is not None:
+            self.callback({"forward": self.forwards, "block": block, "canvas": canvas.clone(),
+                           "committed": committed, "revised": list(revised)})
+
+    def stats(self, new_tokens: int, device) -> dict:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.start
+        return {"forwards": self.forwards, "new_tokens": new_tokens, "seconds": seconds,
+                "tokens_per_s": new_tokens / seconds, "tokens_per_forward": new_tokens / self.forwards}
+
+
+@torch.no_grad()
+def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
+             remasking="low_confidence", threshold=None, revise=0, block_causal=False,
+             generator=None, callback=None):
+    """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, stats)."""
+    blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
+                                     remasking, threshold)
+    if revise < 0:
+        raise UserError(f"revise must be >= 0, got {revise}")
+    device = model.embed.weight.device
+    P = len(prompt)
+    canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
+    confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
+    mask = None
+    if block_causal:  # the prompt is block 0, answer block b is block b + 1
+        block_ids = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(gen_length) // block_length])
+        mask = block_causal_mask(block_ids.to(device))
+    trace = Trace(callback)
+
+    def block_logits(lo):
+        trace.forwards += 1
+        logits = model(canvas[None], causal=False, mask=mask)[0]  # (L, V)
+        return logits[lo:lo + block_length]  # positions after the block are never committed
+
+    for b in range(blocks):
+        lo = P + b * block_length
+        schedule = commit_schedule(block_length, block_steps)
+        step = 0
+        while (canvas[lo:lo + block_length] == MASK).any():
+            count = schedule[step] if step < block_steps else None  # None only with a threshold
+            committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
+                               generator, confidences)
+            trace.step(canvas, b, committed)
+            step += 1
+        for _ in range(revise):
+            worst = lo + int(confidences[lo:lo + block_length].argmin())
+            canvas[worst] = MASK
+            committed = commit(canvas, lo, block_logits(lo), 1, None, temperature, remasking,
+                               generator, confidences)
+            trace.step(canvas, b, committed, revised=[worst])
+    return canvas[P:].tolist(), trace.stats(gen_length, device)
+
+
+@torch.no_grad()
+def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
+                    remasking="low_confidence", threshold=None, generator=None, callback=None):
+    """Block-causal semi-AR sampling with a KV cache of the finished prefix; (new ids, stats).
+
+    The cache holds the prompt and the finished blocks. A block's keys/values are computed once,
+    from its final tokens: they ride along with the first step of the next block (one forward
+    over [finished block, next block], block-causal), after which the cache keeps the finished
+    block's rows and drops the rest. Every other step runs the current block alone.
+    """
+    blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
+                                     remasking, threshold)
+    device = model.embed.weight.device
+    P = len(prompt)
+    canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
+    confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
+    cache = model.new_cache(1)
+    trace = Trace(callback)
+    pending = (0, P)  # the span not yet in the cache: the prompt, then each finished block
+
+    def block_logits(lo):
+        nonlocal pending
+        trace.forwards += 1
+        past = cache.length
+        if pending is None:
+            logits = model(canvas[None, lo:lo + block_length], causal=False, cache=cache)[0]
+            cache.crop(past)
+            return logits
+        start, end = pending
+        block_ids = torch.cat([torch.zeros(end - start), torch.ones(block_length)]).to(device)
+        mask = torch.cat([torch.ones(len(block_ids), past, dtype=torch.bool, device=device),
+                          block_causal_mask(block_ids)], 1)  # (n, past + n): prefix, then block-causal
+        logits = model(canvas[None, start:lo + block_length], mask=mask, cache=cache)[0]
+        cache.crop(past + end - start)
+        pending = None
+        return logits[end - start:]
+
+    for b in range(blocks):
+        lo = P + b * block_length
+        schedule = commit_schedule(block_length, block_steps)
+        step = 0
+        while (canvas[lo:lo + block_length] == MASK).any():
+            count = schedule[step] if step < block_steps else None
+            committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
+                               generator, confidences)
+            trace.step(canvas, b, committed)
+            step += 1
+        pending = (lo, lo + block_length)
+    return canvas[P:].tolist(), trace.stats(gen_length, device)
