@@ -25,12 +25,14 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
+from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.errors import UserError
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
-METHODS = {"ar": ("ar",), "spec": ("ar",), "diffusion": ("mdlm",)}  # method -> checkpoint kinds it decodes
+# method -> checkpoint kinds it decodes
+METHODS = {"ar": ("ar",), "spec": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
 
 
 def parse_args(argv=None):
@@ -59,6 +61,10 @@ def parse_args(argv=None):
     diff.add_argument("--revise", type=int, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
+    moe = p.add_argument_group("mdlm-moe checkpoints")
+    moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: the checkpoint's)")
+    moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass")
+    moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts")
     return p.parse_args(argv)
 
 
@@ -119,6 +125,8 @@ def main(argv=None):
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
                         f"{args.ckpt} holds a {ckpt['kind']} model")
+    if (args.routing or args.route_threshold or args.route_guard) and ckpt["kind"] != "mdlm-moe":
+        raise UserError(f"--routing and --route-* need an mdlm-moe checkpoint; {args.ckpt} holds a {ckpt['kind']} model")
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
@@ -137,7 +145,13 @@ def main(argv=None):
         args.temperature = 0.0 if args.temperature is None else args.temperature
         animate = sys.stdout.isatty() and not (args.no_animate or args.json)
         view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
+        moe = ckpt["kind"] == "mdlm-moe"
+        if moe:
+            set_routing(model, args.routing or model.config.routing, args.route_threshold, args.route_guard)
+            reset_stats(model)
         ids, stats = run_diffusion(model, prompt, args, generator, view)
+        if moe:
+            stats.update(moe_stats(model))
         if view:
             view.clear()  # the final text, cut at the story's end, replaces the last frame
     story = ids[:ids.index(EOT)] if EOT in ids else ids  # a story ends at its first EOT

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.diffusion import mdlm_loss
+from tinydiff.dmoe import MoETransformer, mdlm_moe_loss, moe_config, set_routing
 from tinydiff.sampler import generate
 from tinydiff.checkpoint import load_checkpoint, model_from, save_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
@@ -30,11 +31,12 @@ from tinydiff.model import PRESETS, Transformer, preset
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
-OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1)}
+OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0)}
 
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
-                "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches")
+                "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
+                "routing", "route_threshold", "route_guard")
 
 
 def parse_args(argv=None):
@@ -58,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
+    moe = p.add_argument_group("mdlm-moe")
+    moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
+    moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
+    moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default 4)")
     return p.parse_args(argv)
 
 
@@ -66,7 +73,7 @@ def defaults(args, device: str) -> dict:
     fallback = {"model": "mdlm", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
                 "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
-                "eval_batches": 8}
+                "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda"):
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -119,6 +126,26 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
     return {k: v / len(windows) for k, v in totals.items()}
 
 
+def build_model(run: dict, device: str):
+    """A fresh model for the run, or the --init checkpoint's (same kind) to fine-tune."""
+    if run["init"]:
+        init = load_checkpoint(run["init"])
+        if init["kind"] != run["model"]:
+            raise UserError(f"--init {run['init']} holds a {init['kind']} model, not {run['model']}")
+        model = model_from(init, run["init"], device)
+    elif run["model"] == "mdlm-moe":
+        overrides = {"context": run["context"]} if run["context"] else {}
+        model = MoETransformer(moe_config(run["preset"], **overrides)).to(device)
+    else:
+        overrides = {"context": run["context"]} if run["context"] else {}
+        model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
+    if run["model"] == "mdlm-moe":
+        set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"])
+    elif run["routing"] != "token":
+        raise UserError("--routing applies to --model mdlm-moe only")
+    return model
+
+
 @torch.no_grad()
 def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     """A short story from the model as it is now: the same prompt and seed at every evaluation."""
@@ -126,7 +153,7 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     prompt = [EOT] + tokenizer.encode("Once upon a time")
     n = min(48, model.config.context - len(prompt))
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
-    if kind == "mdlm":
+    if kind.startswith("mdlm"):
         ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
     else:
         ids, _ = ar_generate(model, prompt, n, temperature=0.8, top_k=50, generator=generator)
@@ -177,11 +204,7 @@ def main(argv=None):
     loss_fn, extra = OBJECTIVES[run["model"]]
 
     torch.manual_seed(run["seed"])
-    if ckpt is None:
-        overrides = {"context": run["context"]} if run["context"] else {}
-        model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
-    else:
-        model = model_from(ckpt, out / "ckpt.pt", device)
+    model = build_model(run, device) if ckpt is None else model_from(ckpt, out / "ckpt.pt", device)
     config = model.config
     print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
           f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")

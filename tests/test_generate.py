@@ -121,5 +121,22 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1
     assert all(r["tokens_per_s"] > 0 and r["heldout_nll"] > 0 and r["heldout_bpb"] > 0 for r in rows.values())
     assert rows["diffusion"]["heldout_nll"] == rows["diffusion-cached"]["heldout_nll"]  # one model, one number
+    assert rows["dmoe-block"]["unique_experts_per_block"] <= rows["dmoe-token"]["unique_experts_per_block"]
+    assert rows["dmoe-block"]["expert_bytes_per_forward"] <= rows["dmoe-token"]["expert_bytes_per_forward"]
     with pytest.raises(UserError, match="unknown method"):
         bench.main(["--methods", "nope"])
+
+
+def test_canvas_view_redraws_in_place(capsys):
+    import generate
+    tok = Tokenizer()
+    view = generate.CanvasView(tok, "Once", prompt_len=2)
+    canvas = torch.tensor([EOT, 7454, MASK, MASK])
+    view({"canvas": canvas})
+    canvas[2] = 2402
+    view({"canvas": canvas})
+    view.clear()
+    out = capsys.readouterr().out
+    frames = out.split("\x1b[1F\x1b[J")  # each later frame first moves up over the one-line frame before it
+    assert len(frames) == 3 and frames[-1] == ""
+    assert frames[0] == "Once" + tok.decode([MASK, MASK]) + "\n" and frames[1] == "Once" + tok.decode([2402, MASK]) + "\n"

@@ -117,3 +117,22 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: data file")
+
+
+def test_moe_token_training_then_block_fine_tune(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "token", kind="mdlm-moe"))
+    token = load_checkpoint(tmp_path / "token" / "ckpt.pt")
+    assert token["kind"] == "mdlm-moe" and token["config"]["routing"] == "token"
+    train.main(["--model", "mdlm-moe", "--init", str(tmp_path / "token" / "ckpt.pt"), "--routing", "block",
+                "--route-guard", "3", "--data", str(story_file), "--out", str(tmp_path / "block"),
+                "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--device", "cpu"])
+    block = load_checkpoint(tmp_path / "block" / "ckpt.pt")
+    assert block["config"]["routing"] == "block" and block["config"]["route_guard"] == 3 and block["step"] == 2
+    assert block["config"]["context"] == token["config"]["context"]  # the architecture came from --init
+    moved = [k for k in token["model"] if not torch.equal(token["model"][k], block["model"][k])]
+    assert moved  # it trained from the token-routed weights
+    with pytest.raises(UserError, match="holds a mdlm-moe model"):
+        train.main(["--model", "mdlm", "--init", str(tmp_path / "token" / "ckpt.pt"), "--data", str(story_file),
+                    "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="--routing applies to --model mdlm-moe only"):
+        train.main(argv(story_file, tmp_path / "y", "--routing", "block"))

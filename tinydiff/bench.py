@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tinydiff.bench_methods import METHODS, USES
+from tinydiff.bench_methods import MEANS, METHODS, USES
 from tinydiff.checkpoint import load_model
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.diffusion import elbo
+from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer, preset
 from tinydiff.speculative import leviathan_speedup
@@ -74,6 +75,7 @@ def measure(method, models, prompts, args) -> dict:
     row = {"tokens_per_s": totals["new_tokens"] / totals["seconds"],
            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
            "tau": totals["new_tokens"] / totals["target_forwards"]}
+    row.update({key: totals[key] / len(prompts) for key in MEANS if key in totals})
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
@@ -109,6 +111,11 @@ def load_models(args) -> dict:
                   "(speeds are real, text is not)", file=sys.stderr)
             torch.manual_seed(args.seed)
             models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
+    if args.moe:
+        models["moe"], _ = load_model(args.moe, args.device, kinds=("mdlm-moe",))
+    else:
+        print("notice: no checkpoint for the moe model, timing an untrained one", file=sys.stderr)
+        models["moe"] = MoETransformer(moe_config("tiny")).to(args.device).eval()
     return models
 
 
@@ -118,9 +125,12 @@ def heldout_nll(models, args, tokenizer) -> dict:
     the AR model, the ELBO bound (4 noise draws) for the diffusion LM."""
     _, val_path = prepare_tokens(args.data)
     out = {}
-    for name, model in models.items():
-        if name == "draft":
-            continue
+    scored_models = [(name, model) for name, model in models.items() if name in ("target", "mdlm")]
+    for routing in ("token", "block"):  # the MoE model scored under each routing
+        scored_models.append((f"moe-{routing}", models["moe"]))
+    for name, model in scored_models:
+        if name.startswith("moe-"):
+            set_routing(model, name[len("moe-"):])
         windows = eval_windows(load_tokens(val_path), 16, model.config.context).to(args.device)
         if name == "target":
             logits = model(windows[:, :-1], causal=True)
@@ -138,6 +148,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark every decoding method on the same prompts.")
     p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
     p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
+    p.add_argument("--moe", help="mixture-of-experts diffusion LM checkpoint (default: an untrained tiny one)")
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
@@ -188,6 +199,11 @@ def main(argv=None):
         print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
               f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
+    for r in rows:
+        if "unique_experts_per_block" in r:
+            print(f"{r['method']}: {r['unique_experts_per_block']:.1f} unique experts per 32-token block, "
+                  f"{r['expert_bytes_per_forward'] / 1e6:.2f} MB of expert weights per forward, "
+                  f"{1e3 * r['moe_seconds_per_forward']:.1f} ms in MoE layers per forward")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

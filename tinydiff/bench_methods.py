@@ -3,9 +3,11 @@
 A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
 (`accepted`) and the drafts `proposed`. `models` holds "target" (the AR model), "draft" (the small
-AR draft) and "mdlm" (the diffusion LM). No runner stops at EOT: every method does the same work.
+AR draft), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
+runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 from tinydiff.ar import ar_generate
+from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
 
@@ -33,6 +35,18 @@ def run_spec(models, prompt, args, generator, k):
             "accepted": stats["accepted"], "proposed": stats["proposed"]}
 
 
+def run_dmoe(models, prompt, args, generator, routing):
+    """The MoE diffusion LM under token or block expert routing: what each forward reads."""
+    model = models["moe"]
+    set_routing(model, routing)
+    reset_stats(model, sync_timing=args.device.startswith("cuda"))
+    counts = run_diffusion({"mdlm": model}, prompt, args, generator)
+    stats = moe_stats(model)
+    return {**counts, **{key: stats[key] for key in MEANS}}
+
+
+MEANS = ("unique_experts_per_block", "expert_bytes_per_forward", "moe_seconds_per_forward")
+
 METHODS = {
     "ar": run_ar,
     "spec-k2": lambda *a: run_spec(*a, k=2),
@@ -41,6 +55,9 @@ METHODS = {
     "diffusion": run_diffusion,
     "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
     "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
+    "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
+    "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
-USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target"}
+USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target",
+        "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

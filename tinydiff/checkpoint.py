@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tinydiff.dmoe import MoEConfig, MoETransformer
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
 
@@ -66,17 +67,23 @@ def _brief(error: Exception, limit: int = 160) -> str:
     return " ".join(str(error).split())[:limit]
 
 
+# kind -> (config class, model class); every other kind is a plain Transformer
+ARCHITECTURES = {"mdlm-moe": (MoEConfig, MoETransformer)}
+
+
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
+    config_class, _ = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
+    known = {f.name for f in fields(config_class)}
     unknown = set(ckpt["config"]) - known
     if unknown:
         raise UserError(f"{path}: config has fields this code does not know ({', '.join(sorted(unknown))})")
-    return ModelConfig(**ckpt["config"])
+    return config_class(**ckpt["config"])
 
 
 def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
-    """Build the Transformer a checkpoint describes and load its weights."""
-    model = Transformer(config_from(ckpt, path))
+    """Build the model a checkpoint describes and load its weights."""
+    _, model_class = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
+    model = model_class(config_from(ckpt, path))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
