@@ -9,8 +9,10 @@
 The method follows the checkpoint: `diffusion` for a masked-diffusion LM (the canvas starts
 all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregressive one;
 `spec` decodes an AR target with a small AR draft proposing k tokens per target forward
-(lossless: the same distribution as `ar`). vLLM's spelling works too:
+(lossless: the same distribution as `ar`); `dflash` drafts a whole block per forward with a
+block-diffusion drafter trained by `train.py --model dflash`. vLLM's spelling works too:
     --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}'
+    --speculative-config '{"method": "dflash", "model": "out/dflash-tiny/ckpt.pt"}'
 
 The prompt is encoded as plain text after an EOT token (every training story follows one, so
 EOT is how a model knows a story starts). Text goes to stdout, stats to stderr; with --json one
@@ -24,7 +26,9 @@ import sys
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.checkpoint import load_model
+from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.dflash import drafter_from
+from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.errors import UserError
 from tinydiff.sampler import REMASKING, generate, generate_cached
@@ -32,7 +36,7 @@ from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # method -> checkpoint kinds it decodes
-METHODS = {"ar": ("ar",), "spec": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
+METHODS = {"ar": ("ar",), "spec": ("ar",), "dflash": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
 
 
 def parse_args(argv=None):
@@ -52,6 +56,8 @@ def parse_args(argv=None):
     spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
     spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
+    spec.add_argument("--drafter", help="--method dflash: the DFlash drafter checkpoint")
+    spec.add_argument("--block-size", type=int, help="--method dflash: block size (default: the drafter's)")
     diff = p.add_argument_group("diffusion")
     diff.add_argument("--gen-length", type=int, default=128, help="tokens on the canvas after the prompt")
     diff.add_argument("--steps", type=int, help="forward passes in all (default: gen-length, one token per step)")
@@ -90,18 +96,37 @@ class CanvasView:
 
 
 def apply_speculative_config(args):
-    """Fold a vLLM-style --speculative-config into --method / --draft / --k."""
+    """Fold a vLLM-style --speculative-config into --method / --draft or --drafter / --k or --block-size."""
     try:
         config = json.loads(args.speculative_config)
     except json.JSONDecodeError as e:
         raise UserError(f"--speculative-config is not valid JSON ({e.msg}); e.g. "
                         '\'{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}\'') from None
-    if not isinstance(config, dict) or config.get("method") != "draft_model" or "model" not in config:
-        raise UserError('--speculative-config needs {"method": "draft_model", "model": PATH, ...}')
-    if args.draft and args.draft != config["model"]:
-        raise UserError("--draft and --speculative-config name different drafts; pass one of them")
-    args.method, args.draft = "spec", config["model"]
-    args.k = config.get("num_speculative_tokens", args.k)
+    if not isinstance(config, dict) or config.get("method") not in ("draft_model", "dflash") or "model" not in config:
+        raise UserError('--speculative-config needs {"method": "draft_model" or "dflash", "model": PATH, ...}')
+    n = config.get("num_speculative_tokens")
+    if config["method"] == "dflash":
+        args.method, args.drafter = "dflash", config["model"]
+        args.block_size = n + 1 if n else args.block_size  # n drafts fill a block of n + 1
+    else:
+        if args.draft and args.draft != config["model"]:
+            raise UserError("--draft and --speculative-config name different drafts; pass one of them")
+        args.method, args.draft, args.k = "spec", config["model"], n or args.k
+
+
+def run_speculative(model, prompt, args, generator, warping):
+    if args.method == "spec":
+        if not args.draft:
+            raise UserError("--method spec needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
+        draft, _ = load_model(args.draft, args.device, kinds=("ar",))
+        return speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
+    if not args.drafter:
+        raise UserError("--method dflash needs --drafter DRAFTER_CKPT (trained with train.py --model dflash)")
+    drafter_ckpt = load_checkpoint(args.drafter)
+    if drafter_ckpt["kind"] != "dflash":
+        raise UserError(f"{args.drafter} holds a {drafter_ckpt['kind']} model, not a dflash drafter")
+    drafter = drafter_from(drafter_ckpt, model, args.drafter)
+    return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
 
 
 def run_diffusion(model, prompt, args, generator, callback):
@@ -131,16 +156,14 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    if method in ("ar", "spec"):
+    if method in ("ar", "spec", "dflash"):
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
+        args.method = method
         if method == "ar":
             ids, stats = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
         else:
-            if not args.draft:
-                raise UserError("--method spec needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
-            draft, _ = load_model(args.draft, args.device, kinds=("ar",))
-            ids, stats = speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
+            ids, stats = run_speculative(model, prompt, args, generator, warping)
     else:
         args.temperature = 0.0 if args.temperature is None else args.temperature
         animate = sys.stdout.isatty() and not (args.no_animate or args.json)

@@ -24,19 +24,23 @@ from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.diffusion import mdlm_loss
 from tinydiff.dmoe import MoETransformer, mdlm_moe_loss, moe_config, set_routing
 from tinydiff.sampler import generate
-from tinydiff.checkpoint import load_checkpoint, model_from, save_checkpoint
+from tinydiff.checkpoint import load_checkpoint, load_model, model_from, save_checkpoint
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
+from tinydiff.dflash_decode import dflash_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
+from tinydiff.regenerate import load_or_regenerate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
-OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0)}
+OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
+              "dflash": (dflash_loss, 0)}
 
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
-                "routing", "route_threshold", "route_guard")
+                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate")
 
 
 def parse_args(argv=None):
@@ -61,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
+    dflash = p.add_argument_group("dflash (a block drafter for a frozen AR target)")
+    dflash.add_argument("--target", help="the AR target checkpoint the drafter learns to draft for")
+    dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
+    dflash.add_argument("--regenerate", type=int, help="train on N stories the target writes from corpus openings")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
@@ -73,9 +81,10 @@ def defaults(args, device: str) -> dict:
     fallback = {"model": "mdlm", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
                 "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
-                "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4}
+                "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
+                "target": None, "block_size": 16, "regenerate": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
-    if args.preset is None and not device.startswith("cuda"):
+    if args.preset is None and not device.startswith("cuda") and run["model"] != "dflash":
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
     for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
@@ -126,8 +135,23 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
     return {k: v / len(windows) for k, v in totals.items()}
 
 
-def build_model(run: dict, device: str):
-    """A fresh model for the run, or the --init checkpoint's (same kind) to fine-tune."""
+def load_target(run: dict, device: str):
+    """The frozen AR target a DFlash drafter trains against."""
+    if not run["target"]:
+        raise UserError("--model dflash needs --target CKPT, the AR model the drafter drafts for")
+    target, _ = load_model(run["target"], device, kinds=("ar",))
+    return target.requires_grad_(False)
+
+
+def build_model(run: dict, device: str, ckpt=None, path=None):
+    """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
+    if run["model"] == "dflash":
+        target = load_target(run, device)
+        if ckpt is not None:
+            return drafter_from(ckpt, target, path)
+        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"]), target)
+    if ckpt is not None:
+        return model_from(ckpt, path, device)
     if run["init"]:
         init = load_checkpoint(run["init"])
         if init["kind"] != run["model"]:
@@ -152,6 +176,10 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     model.eval()
     prompt = [EOT] + tokenizer.encode("Once upon a time")
     n = min(48, model.config.context - len(prompt))
+    if kind == "dflash":  # the drafter's worth is its acceptance: greedy tau on this prompt
+        ids, stats = dflash_generate(model.target, model, prompt, n, stop_token=None)
+        model.train()
+        return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
     if kind.startswith("mdlm"):
         ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
@@ -204,13 +232,23 @@ def main(argv=None):
     loss_fn, extra = OBJECTIVES[run["model"]]
 
     torch.manual_seed(run["seed"])
-    model = build_model(run, device) if ckpt is None else model_from(ckpt, out / "ckpt.pt", device)
+    model = build_model(run, device, ckpt, out / "ckpt.pt")
     config = model.config
-    print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
-          f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
+    if run["model"] == "dflash":
+        print(f"model: dflash drafter (B {config.block_size}, features {config.feature_layers}) for {run['target']} | "
+              f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
+    else:
+        print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
+              f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
     tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
+    if run["regenerate"]:
+        if run["model"] != "dflash":
+            raise UserError("--regenerate trains a drafter on its target's text; use it with --model dflash")
+        out.mkdir(parents=True, exist_ok=True)
+        train_tokens = load_or_regenerate(out / "regenerated.u16", model.target, train_tokens,
+                                          run["regenerate"], run["seed"])
     window = config.context + extra
     val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 

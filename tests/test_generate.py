@@ -92,6 +92,22 @@ def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
     assert "needs --draft" in res.stderr
 
 
+def test_dflash_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
+    from tinydiff.dflash import DFlashConfig, DFlashDrafter
+    config = DFlashConfig.for_target(tiny_model.config, block_size=4)
+    torch.manual_seed(3)
+    save_checkpoint(tmp_path / "drafter.pt", kind="dflash", config=config, model=DFlashDrafter(config, tiny_model))
+    common = ["--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 12, "--temperature", 0, "--json"]
+    ar = json.loads(run(*common).stdout)
+    dflash = json.loads(run(*common, "--method", "dflash", "--drafter", tmp_path / "drafter.pt").stdout)
+    vllm = '{"method": "dflash", "model": "%s", "num_speculative_tokens": 2}' % (tmp_path / "drafter.pt")
+    via_config = json.loads(run(*common, "--speculative-config", vllm).stdout)
+    assert dflash["ids"] == ar["ids"] == via_config["ids"]
+    assert len(dflash["stats"]["accepted"]) == 4 and len(via_config["stats"]["accepted"]) == 3
+    res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "dflash", "--drafter", ckpt)
+    assert "not a dflash drafter" in res.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),

@@ -43,3 +43,11 @@ def test_sample_is_seeded_and_respects_support():
 def test_bad_warp_arguments(kwargs):
     with pytest.raises(UserError):
         warp(torch.zeros(1, 4), **{"temperature": 1.0, **kwargs})
+
+
+def test_one_hot_rows_sample_their_id_without_drawing():
+    probs = warp(torch.randn(5, 50), 0)
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    assert torch.equal(sample(probs, g), probs.argmax(-1))
+    assert torch.equal(g.get_state(), state)  # no random number was spent on a certain outcome

@@ -136,3 +136,30 @@ def test_moe_token_training_then_block_fine_tune(story_file, tmp_path):
                     "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="--routing applies to --model mdlm-moe only"):
         train.main(argv(story_file, tmp_path / "y", "--routing", "block"))
+
+
+def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, tmp_path, tiny_model, tiny_config,
+                                                                    monkeypatch):
+    from tinydiff.checkpoint import save_checkpoint
+    save_checkpoint(tmp_path / "target.pt", kind="ar", config=tiny_config, model=tiny_model)
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    common = ["--model", "dflash", "--target", str(tmp_path / "target.pt"), "--block-size", "4", "--regenerate", "3",
+              "--data", str(story_file), "--batch-size", "2", "--max-steps", "4", "--warmup", "1",
+              "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2", "--device", "cpu"]
+    train.main([*common, "--out", str(tmp_path / "full")])
+    ckpt = load_checkpoint(tmp_path / "full" / "ckpt.pt")
+    assert ckpt["kind"] == "dflash" and ckpt["config"]["block_size"] == 4
+    assert not any(k.startswith(("embed", "blocks")) and k in before for k in ckpt["model"])  # drafter weights only
+    target_after = load_checkpoint(tmp_path / "target.pt")["model"]
+    assert all(torch.equal(before[k], target_after[k]) for k in before)  # the target stayed frozen
+    assert (tmp_path / "full" / "regenerated.u16").stat().st_size > 0
+
+    interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    train.main([*common, "--out", str(tmp_path / "cut")])
+    monkeypatch.undo()
+    train.main(["--out", str(tmp_path / "cut"), "--resume"])
+    assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
+    with pytest.raises(UserError, match="needs --target"):
+        train.main(["--model", "dflash", "--data", str(story_file), "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="--regenerate trains a drafter"):
+        train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tinydiff.bench_methods import MEANS, METHODS, USES
-from tinydiff.checkpoint import load_model
+from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.diffusion import elbo
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
@@ -111,6 +112,11 @@ def load_models(args) -> dict:
                   "(speeds are real, text is not)", file=sys.stderr)
             torch.manual_seed(args.seed)
             models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
+    if args.drafter:
+        models["drafter"] = drafter_from(load_checkpoint(args.drafter), models["target"], args.drafter)
+    else:
+        print("notice: no --drafter, timing an untrained DFlash drafter", file=sys.stderr)
+        models["drafter"] = DFlashDrafter(DFlashConfig.for_target(models["target"].config), models["target"])
     if args.moe:
         models["moe"], _ = load_model(args.moe, args.device, kinds=("mdlm-moe",))
     else:
@@ -148,6 +154,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark every decoding method on the same prompts.")
     p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
     p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint trained for --ckpt (default: an untrained one)")
     p.add_argument("--moe", help="mixture-of-experts diffusion LM checkpoint (default: an untrained tiny one)")
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
@@ -172,6 +179,11 @@ def main(argv=None):
     tokenizer = Tokenizer()
     prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
     models = load_models(args)
+    too_big = [m for m in methods if m.startswith("dflash-b") and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
+    if too_big:
+        print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
+              f"{models['drafter'].config.block_size}", file=sys.stderr)
+        methods = [m for m in methods if m not in too_big]
     nll = heldout_nll(models, args, tokenizer) if args.data else {}
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
@@ -198,6 +210,7 @@ def main(argv=None):
         predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
               f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}")
+    print("tau: new tokens per target forward (bonus included); alpha: accepted drafts / proposed")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
     for r in rows:
         if "unique_experts_per_block" in r:

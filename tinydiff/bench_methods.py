@@ -3,10 +3,11 @@
 A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
 (`accepted`) and the drafts `proposed`. `models` holds "target" (the AR model), "draft" (the small
-AR draft), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
+AR draft), "drafter" (the DFlash drafter), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 from tinydiff.ar import ar_generate
+from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
@@ -35,6 +36,14 @@ def run_spec(models, prompt, args, generator, k):
             "accepted": stats["accepted"], "proposed": stats["proposed"]}
 
 
+def run_dflash(models, prompt, args, generator, block_size):
+    """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies."""
+    ids, stats = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
+                                 args.temperature, generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
+            "accepted": stats["accepted"], "proposed": stats["proposed"]}
+
+
 def run_dmoe(models, prompt, args, generator, routing):
     """The MoE diffusion LM under token or block expert routing: what each forward reads."""
     model = models["moe"]
@@ -52,6 +61,8 @@ METHODS = {
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
+    "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
+    "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
     "diffusion": run_diffusion,
     "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
     "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
@@ -60,4 +71,5 @@ METHODS = {
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target",
+        "dflash-b8": "target", "dflash-b16": "target",
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

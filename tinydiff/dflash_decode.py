@@ -1,0 +1,143 @@
+"""DFlash decoding: one drafter forward drafts a block, one target forward verifies it.
+
+Paper: "DFlash: Block Diffusion for Flash Speculative Decoding" (2026). The drafter is
+tinydiff/dflash.py. Each round, with committed sequence seq (S tokens):
+  1. draft:  the drafter fills [seq[-1], MASK x (B-1)] at positions S-1..S+B-2 in ONE forward
+             (no iterative denoising), reading the context features of positions 0..S-2;
+  2. verify: the target reads [seq[-1], d_1..d_K] (K = B-1, fewer at the end) in one forward that
+             also returns its hidden states at the feature layers;
+  3. accept, by one of two rules (the `rule` argument):
+       "match"  (default; DFlash's rule) the drafts are the drafter's argmax; the target samples
+                y_0..y_K from its own warped distributions; accept while d_i == y_{i-1}, then commit
+                y_n as the bonus. Every committed token is a target sample given its committed
+                prefix, so the output is the target's distribution for any draft (with a one-hot
+                draft this is exactly the rejection rule: accept x with probability p(x)).
+       "reject" the drafts are sampled from the drafter's warped per-slot distributions q_k, then
+                speculation's full rule (speculative.verify: accept with min(1, p/q), resample the
+                first rejection from the residual). Use it with a sampling draft at T > 0.
+     At temperature 0 both rules are plain greedy decoding of the target, token for token.
+  4. commit: crop the target cache to the committed length and append the features of the newly
+     committed positions to the drafter's context cache.
+Caches: after every round both hold exactly the committed tokens but the newest (seq[:-1]); the
+newest is slot 0 of the next block. Before the first round a prefill forward of the target over
+prompt[:-1] fills both (skipped for a one-token prompt): target_forwards = rounds + that prefill.
+
+Leaves out: batches, draft trees (see ddtree.py), iterative refinement of the block.
+"""
+import time
+
+import torch
+
+from tinydiff.ar import check_prompt
+from tinydiff.dflash import DFlashDrafter, check_target, draft_block
+from tinydiff.errors import UserError
+from tinydiff.sampling import check_warp_args, sample
+from tinydiff.speculative import next_token_probs, verify
+from tinydiff.tokenizer import EOT, MASK
+
+RULES = ("match", "reject")
+
+
+def sample_and_match(p, drafts, generator=None, greedy=False):
+    """p (K+1, V) the target's warped distributions, drafts (K,) -> (n, token).
+
+    The target draws y_i ~ p_i position by position; drafts are accepted while drafts[i] == y_i;
+    `token` = y_n, the target's own sample after the accepted prefix. Draws stop at the first
+    mismatch (later ones would be thrown away). greedy: p is one-hot, so its sample is its argmax.
+    """
+    for i in range(len(drafts) + 1):
+        y = int(p[i].argmax()) if greedy else int(sample(p[i], generator))
+        if i == len(drafts) or y != int(drafts[i]):
+            return i, y
+
+
+def check_drafter(target, drafter, block_size) -> int:
+    """The drafter must be a DFlashDrafter built for this target's dimensions; returns the block size."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise UserError(f"the drafter is a {type(drafter).__name__}; build one with tinydiff.dflash.DFlashDrafter "
+                        "or load a DFlash drafter checkpoint")
+    check_target(drafter.config, target)
+    block_size = drafter.config.block_size if block_size is None else block_size
+    if not isinstance(block_size, int) or not 2 <= block_size <= drafter.config.block_size:
+        raise UserError(f"block size must be an integer in [2, {drafter.config.block_size}] for this drafter "
+                        f"(trained with blocks of {drafter.config.block_size}), got {block_size!r}")
+    if drafter.fc.weight.device != target.embed.weight.device:
+        raise UserError(f"the drafter is on {drafter.fc.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
+    return block_size
+
+
+@torch.no_grad()
+def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
+                    top_p=None, generator=None, stop_token=EOT, on_round=None, rule="match"):
+    """Decode after `prompt` (list of ids); each round drafts a block of block_size (default the
+    drafter's B) and commits 1..B tokens. Stops after max_new_tokens (None: fill the context) or
+    after emitting stop_token (None: never; tokens after it in the same round are dropped).
+    on_round(info) is called after every round with: drafts, accepted (n), tokens (committed this
+    round), seq (prompt + everything committed), target_cache, draft_cache (both rolled back).
+
+    Returns (new ids, stats) with speculative_generate's keys:
+      rounds, accepted (histogram over n = 0..B-1), proposed, alpha (accepted / proposed),
+      tau (new tokens per round, bonus included, 1..B), target_forwards (rounds + the prefill),
+      draft_forwards (one per round that drafted), new_tokens, seconds, tokens_per_s.
+    """
+    if rule not in RULES:
+        raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+    check_warp_args(temperature, top_k, top_p)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
+        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
+    B = check_drafter(target, drafter, block_size)
+    warp_args, layers = (temperature, top_k, top_p), drafter.config.feature_layers
+    device = target.embed.weight.device
+    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
+    seq, out = list(prompt), []
+    hist, proposed, draft_forwards, prefill = [0] * B, 0, 0, 0
+    start = time.perf_counter()
+    if len(prompt) > 1:  # the target reads all but the newest token; its features are the drafter's context
+        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, causal=True,
+                           hidden_layers=layers)
+        drafter.extend(draft_cache, hidden)
+        prefill = 1
+    while len(out) < n_new:
+        n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
+        drafts = torch.empty(0, dtype=torch.long, device=device)
+        if n_drafts:
+            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
+            draft_forwards += 1
+            if rule == "reject":
+                q = next_token_probs(logits, *warp_args)  # (K, V), warped exactly like the target
+                drafts = sample(q, generator) if temperature > 0 else q.argmax(-1)  # (K,); one-hot q at T = 0
+            else:
+                drafts = next_token_probs(logits, 0, None, None).argmax(-1)  # (K,): argmax, never MASK
+        x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
+        p = next_token_probs(logits[0], *warp_args)  # (K+1, V)
+        if rule == "reject" and n_drafts:
+            n, token = verify(p, q, drafts, generator)
+        else:  # sample-and-match (also a round without drafts: the target's one sample)
+            n, token = sample_and_match(p, drafts, generator, greedy=temperature == 0)
+        tokens = drafts[:n].tolist() + [token]
+        stopped = stop_token in tokens
+        if stopped:
+            tokens = tokens[:tokens.index(stop_token) + 1]
+        seq += tokens
+        out += tokens
+        target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
+        drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])  # the inputs now committed
+        hist[n] += 1
+        proposed += n_drafts
+        if on_round is not None:
+            on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": draft_cache})
+        if stopped:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rounds = sum(hist)
+    accepted = sum(n * count for n, count in enumerate(hist))
+    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
+                 "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
+                 "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
+                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
