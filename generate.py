@@ -33,10 +33,11 @@ from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.errors import UserError
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.speculative import speculative_generate
+from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # method -> checkpoint kinds it decodes
-METHODS = {"ar": ("ar",), "spec": ("ar",), "dflash": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
+METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
 
 
 def parse_args(argv=None):
@@ -56,6 +57,7 @@ def parse_args(argv=None):
     spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
     spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
+    spec.add_argument("--fan-out", type=int, default=3, help="--method ssd: bonus tokens pre-drafted per accepted count")
     spec.add_argument("--drafter", help="--method dflash: the DFlash drafter checkpoint")
     spec.add_argument("--block-size", type=int, help="--method dflash: block size (default: the drafter's)")
     diff = p.add_argument_group("diffusion")
@@ -115,11 +117,16 @@ def apply_speculative_config(args):
 
 
 def run_speculative(model, prompt, args, generator, warping):
-    if args.method == "spec":
+    if args.method in ("spec", "ssd"):
         if not args.draft:
-            raise UserError("--method spec needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
+            raise UserError(f"--method {args.method} needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
         draft, _ = load_model(args.draft, args.device, kinds=("ar",))
-        return speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
+        if args.method == "spec":
+            return speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
+        if args.device == "cpu":
+            torch.set_num_threads(1)  # the draft's thread and the target's each get one core
+        return ssd_generate(model, draft, prompt, args.max_new_tokens, args.k, args.fan_out, *warping, generator,
+                            threaded=True)
     if not args.drafter:
         raise UserError("--method dflash needs --drafter DRAFTER_CKPT (trained with train.py --model dflash)")
     drafter_ckpt = load_checkpoint(args.drafter)
@@ -156,7 +163,7 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    if method in ("ar", "spec", "dflash"):
+    if method in ("ar", "spec", "ssd", "dflash"):
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method

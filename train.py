@@ -65,10 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
-    dflash = p.add_argument_group("dflash (a block drafter for a frozen AR target)")
-    dflash.add_argument("--target", help="the AR target checkpoint the drafter learns to draft for")
+    dflash = p.add_argument_group("drafters (dflash, or an ar draft with --regenerate)")
+    dflash.add_argument("--target", help="the AR target checkpoint the draft or drafter learns to draft for")
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
-    dflash.add_argument("--regenerate", type=int, help="train on N stories the target writes from corpus openings")
+    dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
@@ -138,7 +138,8 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
 def load_target(run: dict, device: str):
     """The frozen AR target a DFlash drafter trains against."""
     if not run["target"]:
-        raise UserError("--model dflash needs --target CKPT, the AR model the drafter drafts for")
+        raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
+                        "the AR model to draft for")
     target, _ = load_model(run["target"], device, kinds=("ar",))
     return target.requires_grad_(False)
 
@@ -243,12 +244,12 @@ def main(argv=None):
     tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
-    if run["regenerate"]:
-        if run["model"] != "dflash":
-            raise UserError("--regenerate trains a drafter on its target's text; use it with --model dflash")
+    if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
+        if run["model"] not in ("dflash", "ar"):
+            raise UserError("--regenerate trains a draft on its target's text: use --model dflash or ar with --target")
+        target = model.target if run["model"] == "dflash" else load_target(run, device)
         out.mkdir(parents=True, exist_ok=True)
-        train_tokens = load_or_regenerate(out / "regenerated.u16", model.target, train_tokens,
-                                          run["regenerate"], run["seed"])
+        train_tokens = load_or_regenerate(out / "regenerated.u16", target, train_tokens, run["regenerate"], run["seed"])
     window = config.context + extra
     val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 

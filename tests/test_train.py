@@ -161,5 +161,9 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
     with pytest.raises(UserError, match="needs --target"):
         train.main(["--model", "dflash", "--data", str(story_file), "--out", str(tmp_path / "x")])
-    with pytest.raises(UserError, match="--regenerate trains a drafter"):
+    with pytest.raises(UserError, match="--regenerate trains a draft"):
         train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))
+    with pytest.raises(UserError, match="needs --target"):
+        train.main(argv(story_file, tmp_path / "z", "--regenerate", "2", kind="ar"))
+    train.main(argv(story_file, tmp_path / "ar-draft", "--regenerate", "2", "--target", str(tmp_path / "target.pt"), kind="ar"))
+    assert (tmp_path / "ar-draft" / "regenerated.u16").stat().st_size > 0

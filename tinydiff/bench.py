@@ -77,6 +77,9 @@ def measure(method, models, prompts, args) -> dict:
            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
            "tau": totals["new_tokens"] / totals["target_forwards"]}
     row.update({key: totals[key] / len(prompts) for key in MEANS if key in totals})
+    if "hits" in totals:
+        row["hit_rate"] = sum(totals["hits"]) / max(1, sum(totals["lookups"]))
+        row["modelled_speedup_vs_spec"] = totals["modelled_seconds_sd"] / totals["modelled_seconds_ssd"]
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
@@ -185,14 +188,16 @@ def main(argv=None):
               f"{models['drafter'].config.block_size}", file=sys.stderr)
         methods = [m for m in methods if m not in too_big]
     nll = heldout_nll(models, args, tokenizer) if args.data else {}
+    # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
+    args.forward_costs = (forward_seconds(models["draft"], prompts[0], args.device),
+                          forward_seconds(models["target"], prompts[0], args.device))
+    c = args.forward_costs[0] / args.forward_costs[1]
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
         nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
         rows.append({"method": name, **measure(METHODS[name], models, prompts, args),
                      "heldout_nll": nll_row, "heldout_bpb": bpb_row})
     ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
-    # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
-    c = forward_seconds(models["draft"], prompts[0], args.device) / forward_seconds(models["target"], prompts[0], args.device)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar_speed if ar_speed else None
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
@@ -212,7 +217,12 @@ def main(argv=None):
               f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}")
     print("tau: new tokens per target forward (bonus included); alpha: accepted drafts / proposed")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
+    spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
     for r in rows:
+        if "hit_rate" in r:
+            measured = f"{r['tokens_per_s'] / spec4:.2f}x spec-k4 measured, " if spec4 else ""
+            print(f"{r['method']}: hit rate {r['hit_rate']:.2f}, {measured}"
+                  f"{r['modelled_speedup_vs_spec']:.2f}x modelled with the draft on its own device")
         if "unique_experts_per_block" in r:
             print(f"{r['method']}: {r['unique_experts_per_block']:.1f} unique experts per 32-token block, "
                   f"{r['expert_bytes_per_forward'] / 1e6:.2f} MB of expert weights per forward, "

@@ -11,6 +11,7 @@ from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
+from tinydiff.ssd import ssd_generate
 
 
 def run_ar(models, prompt, args, generator):
@@ -34,6 +35,15 @@ def run_spec(models, prompt, args, generator, k):
                                       args.temperature, generator=generator, stop_token=None)
     return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
             "accepted": stats["accepted"], "proposed": stats["proposed"]}
+
+
+def run_ssd(models, prompt, args, generator, fan_out, k=4):
+    """spec-k4 with the draft running ahead in a second thread, pre-drafting likely next rounds."""
+    ids, stats = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
+                              args.temperature, generator=generator, stop_token=None, threaded=True,
+                              costs=args.forward_costs)
+    keep = ("target_forwards", "accepted", "proposed", "hits", "lookups", "modelled_seconds_sd", "modelled_seconds_ssd")
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], **{key: stats[key] for key in keep}}
 
 
 def run_dflash(models, prompt, args, generator, block_size):
@@ -61,6 +71,9 @@ METHODS = {
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
+    "ssd-f1": lambda *a: run_ssd(*a, fan_out=1),
+    "ssd-f3": lambda *a: run_ssd(*a, fan_out=3),
+    "ssd-f8": lambda *a: run_ssd(*a, fan_out=8),
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
     "diffusion": run_diffusion,
@@ -71,5 +84,5 @@ METHODS = {
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target",
-        "dflash-b8": "target", "dflash-b16": "target",
+        "dflash-b8": "target", "dflash-b16": "target", "ssd-f1": "target", "ssd-f3": "target", "ssd-f8": "target",
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

@@ -54,12 +54,19 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None,
 
 
 def sample(probs, generator: torch.Generator | None = None):
-    """One token id per row of probs (..., V) -> (...)."""
-    flat = probs.reshape(-1, probs.shape[-1])
+    """One token id per row of probs (..., V) -> (...), by inverse CDF: one uniform per row.
+
+    The same distribution as torch.multinomial, which on a CPU costs about a millisecond per
+    50k-wide row; a cumulative sum in float64 costs that for a whole batch of rows.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
     top = flat.max(-1)
-    if bool((top.values == 1).all()):  # greedy rows: the same id multinomial would draw, without
-        return top.indices.view(probs.shape[:-1])  # its ~1 ms per 50k-wide row on a CPU
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    if bool((top.values == 1).all()):  # greedy rows: their id is certain, spend no random number
+        return top.indices.view(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)  # (N, V)
+    u = torch.rand(len(flat), 1, generator=generator, device=flat.device, dtype=torch.float64) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(flat.shape[-1] - 1)  # first id whose CDF passes u
+    return ids.view(probs.shape[:-1])
 
 
 def residual(p, q):

@@ -1,0 +1,182 @@
+"""Lesson 09: speculative speculative decoding (SSD). The draft guesses ahead while the target checks.
+
+Run: python lessons/09_ssd.py [--quick]
+Read next: tinydiff/ssd.py (the speculation cache and the loop), tests/test_ssd.py (the proof that
+nothing about the output changes).
+
+In lesson 06 the draft guesses K tokens, then sits idle while the target verifies them, and only
+after the verdict starts guessing again. SSD (Kumar, Dao and May, "Speculative Speculative
+Decoding", 2026) keeps the draft busy: during verification it guesses the verdict ("k of my
+drafts will be accepted, then the target adds token b"), and for each likely verdict it already
+drafts the next round. Those guesses sit in a cache keyed by (k, b). If the real verdict is in the
+cache (a hit) the next round starts at once; if not (a miss) the draft drafts as before. The
+verification rule is untouched, so the output is exactly what the target alone would produce.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+
+from tinydiff.ar import ar_generate  # noqa: E402
+from tinydiff.checkpoint import load_model  # noqa: E402
+from tinydiff.model import ModelConfig, Transformer  # noqa: E402
+from tinydiff.speculative import speculative_generate  # noqa: E402
+from tinydiff.ssd import forward_seconds, geometric_fan_out, ssd_generate  # noqa: E402
+from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true", help="tiny random models, fewer tokens")
+parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="used with --draft when both exist")
+parser.add_argument("--draft", default="out/ar-draft/ckpt.pt")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+torch.manual_seed(args.seed)
+torch.set_num_threads(1)  # one core per thread: the target on the main thread, the run-ahead on a second one
+tok = Tokenizer()
+K = 4
+
+if not args.quick and Path(args.target).exists() and Path(args.draft).exists():
+    target, _ = load_model(args.target, kinds=("ar",))
+    draft, _ = load_model(args.draft, kinds=("ar",))
+    print(f"target {args.target}, draft {args.draft}")
+else:
+    # Lesson 06's pair: a 12-layer random target whose later layers only nudge the residual
+    # stream, and a draft that is its first layer, so the two often agree.
+    config = ModelConfig(context=256, n_layer=12, n_head=2, d_model=64, d_ff=192)
+    target = Transformer(config).eval()
+    with torch.no_grad():
+        for name, w in target.named_parameters():
+            if w.dim() == 2:
+                w.normal_(0, 0.3 if name == "embed.weight" else 0.1)
+            if name.endswith(("wo.weight", "down.weight")) and not name.startswith("blocks.0."):
+                w.mul_(0.05)
+    draft = Transformer(ModelConfig(**{**config.__dict__, "n_layer": 1})).eval()
+    draft.load_state_dict({k: v for k, v in target.state_dict().items()
+                           if not k.startswith("blocks.") or k.startswith("blocks.0.")})
+    print("random models (train out/ar-tiny and out/ar-draft for real stories): target 12 layers, "
+          "draft = its first layer")
+prompt = [EOT] + tok.encode("Once upon a time, there was a little girl named Lily.")
+costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
+print(f"one cached forward: draft {costs[0] * 1e3:.2f} ms, target {costs[1] * 1e3:.2f} ms\n")
+
+
+def words(ids):
+    return [tok.decode([t]) for t in ids]
+
+
+rounds = []
+new = 32 if args.quick else 96
+out, stats = ssd_generate(target, draft, prompt, new, K, 3, temperature=0, stop_token=None, threaded=True,
+                          on_round=lambda info: rounds.append(info), costs=costs)
+hit = next((i for i in range(1, len(rounds)) if rounds[i]["cached"] and rounds[i - 1]["keys"]), None)
+miss = next((i for i in range(1, len(rounds)) if rounds[i]["cached"] is False), None)
+shown = hit if hit is not None else miss
+r, before = rounds[shown - 1], (prompt if shown == 1 else rounds[shown - 2]["seq"])
+
+print(f"1. One round (round {shown} of {len(rounds)}; k = {K}, fan-out 3, temperature 0), after "
+      f"...{tok.decode(before[-8:])!r}.")
+print(f"   The drafts on the table: {words(r['drafts'])}")
+print("   While the target verifies them, the draft runs ahead. Its cache of next speculations, by key")
+print("   (k = drafts it bets will be accepted, b = the token it bets the target adds next):")
+for k in range(len(r["drafts"]) + 1):
+    bonuses = [b for kk, b in r["keys"] if kk == k]
+    if bonuses:
+        kept = "nothing" if k == 0 else repr(tok.decode(r["drafts"][:k]))
+        skip = ""
+        if k < len(r["drafts"]):
+            skip = f"   (never {words(r['drafts'][k:k + 1])[0]!r}, the draft k+1)"
+        print(f"     k = {k} (keep {kept}): b in {words(bonuses)}{skip}")
+print("   After k < n accepted, the draft k+1 is left out: it was rejected, and a rejected token is never")
+print("   the target's fix (the residual max(0, p - q) is 0 wherever rejection is possible, p < q).")
+outcome = (r["accepted"], r["tokens"][-1])
+print(f"   The verdict: {outcome[0]} accepted, then {words([outcome[1]])[0]!r}: key ({outcome[0]}, "
+      f"{words([outcome[1]])[0]!r}) is {'IN' if outcome in r['keys'] else 'NOT in'} the cache.")
+
+times = r["times"]
+t0 = min(span[0] for span in times.values() if span)
+t1 = max(span[1] for span in times.values() if span)
+width = 60
+
+
+def bar(spans):
+    """One text line over [t0, t1]: each (span, letter) paints its share of the line."""
+    line = ["."] * width
+    for span, letter in spans:
+        if span:
+            a, b = (int((s - t0) / (t1 - t0) * width) for s in span)
+            line[a:max(b, a + 1)] = letter * (max(b, a + 1) - a)
+    return "".join(line)
+
+
+print(f"\n   The round as it ran ({(t1 - t0) * 1e3:.1f} ms; drafter and target each on its own thread):")
+print(f"     drafter |{bar([(times['jit'], 'j'), (times['ahead'], 'a')])}|  j = drafting just in time, "
+      "a = running ahead")
+print(f"     target  |{bar([(times['verify'], 'v')])}|  v = verifying")
+print(f"   The run-ahead made {r['ahead_forwards']} draft forwards (1 to catch up, then one per draft position,")
+print(f"   all {len(r['keys'])} branches as rows of one batch). Where 'a' outlasts 'v' the target waits: on this")
+print("   CPU a batch of rows costs about as much as the rows one by one (the 50,258-wide head), on a GPU")
+print("   it costs about one forward, and the run-ahead hides inside the verification.")
+nxt = rounds[shown]
+if nxt["cached"]:
+    print(f"   HIT: the next round's drafts {words(nxt['drafts'])} were ready, with no drafting at all.")
+miss_rounds, miss_fan_out = rounds, 3
+if miss is None:  # every verdict was cached: a smaller fan-out misses more often
+    miss_rounds, miss_fan_out = [], 1
+    ssd_generate(target, draft, prompt, new, K, 1, temperature=0, stop_token=None, on_round=miss_rounds.append,
+                 costs=costs)
+    miss = next((i for i in range(1, len(miss_rounds)) if miss_rounds[i]["cached"] is False), None)
+if miss is not None:
+    m = miss_rounds[miss - 1]
+    print(f"   A MISS (round {miss}, fan-out {miss_fan_out}): the verdict ({m['accepted']}, "
+          f"{words(m['tokens'][-1:])[0]!r}) was not among the keys")
+    print(f"   {[(k, words([b])[0]) for k, b in m['keys']]};")
+    print(f"   round {miss + 1} was drafted just in time, as in lesson 06.")
+ar_out, _ = ar_generate(target, prompt, new, temperature=0, stop_token=None)
+print(f"   Over the whole run: hit rate {stats['hit_rate']:.2f}, hits/lookups per k {stats['hits']} / "
+      f"{stats['lookups']}; output == greedy target decoding: {out == ar_out}.\n")
+
+print("2. Fan-out against hit rate, time and the modelled speedup (draft on its own device; a batched")
+print(f"   forward priced as one). {new} tokens, k = {K}, temperature 0.")
+spec_out, spec = speculative_generate(target, draft, prompt, new, K, temperature=0, stop_token=None)
+print(f"   spec-k{K}: {spec['tokens_per_s']:.0f} tokens/s, tau {spec['tau']:.2f}, alpha {spec['alpha']:.2f}")
+print("   method   hit rate  draft fwd (ahead+jit)  tok/s threaded  tok/s sequential  modelled vs SD")
+uniform = {}
+for fan_out in ((1, 3) if args.quick else (1, 3, 8)):
+    runs = {threaded: ssd_generate(target, draft, prompt, new, K, fan_out, temperature=0, stop_token=None,
+                                   threaded=threaded, costs=costs)[1] for threaded in (True, False)}
+    st = uniform[fan_out] = runs[True]
+    print(f"   ssd-f{fan_out:<3} {st['hit_rate']:8.2f}  {st['ahead_forwards']:>6} + {st['jit_forwards']:<14}"
+          f"{st['tokens_per_s']:14.0f}  {runs[False]['tokens_per_s']:16.0f}  {st['modelled_speedup']:13.2f}x")
+print("   The modelled column prices every forward with the costs measured above: SD pays k draft forwards")
+print("   and a verification per round, SSD a verification (or the run-ahead, if longer) plus drafting")
+print("   only after a miss. The measured columns are this CPU, both threads sharing its memory bandwidth.\n")
+
+alpha = spec["alpha"]
+budget = K + 1
+fan = geometric_fan_out(budget, K, alpha)
+print(f"3. Where to spend the branches. With alpha = {alpha:.2f}, 'k accepted' has probability "
+      f"alpha^k (1 - alpha) for k < {K},")
+print(f"   alpha^{K} for k = {K}. The paper's capped geometric allocation of {budget} branches "
+      "(geometric_fan_out):")
+print(f"   {fan} instead of fan-out 1's {[1] * (K + 1)}.")
+st = ssd_generate(target, draft, prompt, new, K, fan, temperature=0, stop_token=None, costs=costs)[1]
+print(f"   Hit rate {st['hit_rate']:.2f} (fan-out 1: {uniform[1]['hit_rate']:.2f}); lookups per k {st['lookups']}.")
+print("   The allocation assumes independent acceptances and a power law for the bonus's rank in q;")
+print("   acceptances come in streaks, so check it against the lookups per k you measure.\n")
+
+generator = torch.Generator().manual_seed(args.seed)
+st = ssd_generate(target, draft, prompt, new, K, 3, temperature=1.0, generator=generator, stop_token=None,
+                  costs=costs)[1]
+print(f"4. At temperature 1 (fan-out 3): hit rate {st['hit_rate']:.2f}, hits/lookups per k {st['hits']} / "
+      f"{st['lookups']}.")
+print("   After a rejection the target's token comes from the residual max(0, p - q): tokens the draft")
+print("   under-rates, so the draft's own favourites are poor bets there (the paper's Saguaro sampling")
+print("   reshapes q to fix that). The output still has exactly the target's distribution: verification")
+print("   never changed, and tests/test_ssd.py checks it with a chi-square test on a tiny vocabulary.")

@@ -1,0 +1,403 @@
+"""Spec: speculative speculative decoding is speculative decoding whose next speculation may come
+from a cache the draft filled during verification, and nothing about the output changes.
+
+A hit hands over exactly what drafting after the true outcome would give (temperature 0); the
+output is the target's greedy decoding token for token, or its exact joint distribution
+(chi-square); a fan-out that covers the vocabulary always hits; threaded and sequential runs agree
+draw for draw; the modelled times follow from the counted forwards; bad input is a clear error.
+"""
+import itertools
+import math
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from test_speculative import (DELTA, POWER, Z_ALPHA, chi2_quantile, chi_square_bins, noncentral_chi2_sf, one_hot,
+                              perturbed, random_model)
+
+from tinydiff.ar import ar_generate
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig
+from tinydiff.sampling import warp
+from tinydiff.speculative import draft_round
+from tinydiff.sampling import sample
+from tinydiff.ssd import geometric_fan_out, ssd_generate
+
+COSTS = (0.25, 1.0)  # (draft, target) seconds per forward for the modelled times: no clock in these tests
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small run fastest on one thread, and stay fast when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def recorder():
+    """An on_round callback that keeps each round's info (without the caches)."""
+    rounds = []
+
+    def on_round(info):
+        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
+    return rounds, on_round
+
+
+def check_counts(out, stats, rounds, k, full_context=False):
+    """The stats agree with each other and with what every round reported, and every lookup was
+    answered by the cache exactly when the round's outcome was among the keys it stored (only if,
+    when the run fills the context: the last run-aheads then have no room for whole speculations)."""
+    assert len(stats["accepted"]) == k + 1 and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
+    assert stats["target_forwards"] == stats["rounds"] and stats["new_tokens"] == len(out)
+    assert [t for r in rounds for t in r["tokens"]] == out
+    assert stats["proposed"] == sum(len(r["drafts"]) for r in rounds)
+    assert stats["jit_forwards"] == sum(r["jit_forwards"] for r in rounds)
+    assert stats["ahead_forwards"] == sum(r["ahead_forwards"] for r in rounds)
+    assert stats["draft_forwards"] == stats["jit_forwards"] + stats["ahead_forwards"]
+    assert stats["branches"] == sum(len(r["keys"]) for r in rounds)
+    assert rounds[0]["cached"] is None
+    hits, lookups = [0] * (k + 1), [0] * (k + 1)
+    for r in rounds:  # drafting just in time happens exactly when the speculation was not cached
+        assert r["jit_forwards"] == (0 if r["cached"] else len(r["drafts"]))
+        assert r["ahead_forwards"] <= 1 + k  # catch-up, then one batched forward per next-round draft
+    for r, nxt in zip(rounds, rounds[1:]):
+        if nxt["cached"] is not None:
+            lookups[r["accepted"]] += 1
+            hits[r["accepted"]] += nxt["cached"]
+            stored = (r["accepted"], r["tokens"][-1]) in r["keys"]
+            assert nxt["cached"] <= stored if full_context else nxt["cached"] == stored
+    assert stats["hits"] == hits and stats["lookups"] == lookups
+    assert stats["hit_rate"] == (sum(hits) / sum(lookups) if sum(lookups) else None)
+    accepted = sum(n * c for n, c in enumerate(stats["accepted"]))
+    assert stats["alpha"] == (accepted / stats["proposed"] if stats["proposed"] else None)
+    assert stats["tau"] == len(out) / stats["rounds"]
+    assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
+
+
+# Greedy and cache contents: GPT-2's full vocabulary (and MASK), as in test_speculative.py.
+@pytest.fixture(scope="module")
+def greedy_models():
+    target = random_model(ModelConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
+    small = random_model(ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
+    return target, {"close": perturbed(target, seed=2, noise=0.01), "small": small}
+
+
+def prompt_for(seed, length):
+    return torch.randint(0, 50257, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def test_greedy_output_equals_the_targets_greedy_decoding(greedy_models):
+    target, drafts = greedy_models
+    seen = {"hit": 0, "miss": 0, "partial": 0, "dropped_after_stop": 0}
+    for seed in range(2):
+        prompt = prompt_for(seed, 2 + 3 * seed)
+        full, _ = ar_generate(target, prompt, 20, temperature=0, stop_token=None)
+        for k, (fan_out, name), stop_token in itertools.product((1, 4), ((1, "close"), (3, "close"), (2, "small")),
+                                                                (None, full[11])):
+            draft = drafts[name]
+            expected, _ = ar_generate(target, prompt, 20, temperature=0, stop_token=stop_token)
+            rounds, on_round = recorder()
+            out, stats = ssd_generate(target, draft, prompt, 20, k, fan_out, temperature=0, stop_token=stop_token,
+                                      on_round=on_round, costs=COSTS)
+            assert out == expected, (seed, k, fan_out, name, stop_token)
+            check_counts(out, stats, rounds, k)
+            seen["hit"] += sum(r["cached"] is True for r in rounds)
+            seen["miss"] += sum(r["cached"] is False for r in rounds)
+            seen["partial"] += sum(0 < r["accepted"] < len(r["drafts"]) for r in rounds)
+            seen["dropped_after_stop"] += len(rounds[-1]["tokens"]) < rounds[-1]["accepted"] + 1
+    assert all(seen.values()), seen  # the cases above must include each of these, or prove nothing
+
+
+@torch.no_grad()
+def test_a_hit_is_the_speculation_drafting_after_the_outcome_gives(greedy_models):
+    """At temperature 0, every cached speculation equals draft_round's on a fresh cache after the
+    committed sequence: the batched, masked pre-draft reads exactly that sequence."""
+    target, drafts = greedy_models
+    hits = capped = 0
+    for seed, k, n_new in itertools.product(range(2), (2, 4), (16, None)):  # None: up to a full context
+        prompt = prompt_for(seed, 3)
+        rounds, on_round = recorder()
+        out, stats = ssd_generate(target, drafts["close"], prompt, n_new, k, 3, stop_token=None,
+                                  on_round=on_round, costs=COSTS)
+        assert out == ar_generate(target, prompt, n_new, temperature=0, stop_token=None)[0]
+        check_counts(out, stats, rounds, k, full_context=n_new is None)
+        before = prompt
+        for r in rounds:
+            if r["cached"]:
+                fresh, q = draft_round(drafts["close"], drafts["close"].new_cache(1), before, len(r["drafts"]),
+                                       (0.0, None, None))
+                assert r["drafts"] == fresh.tolist() and torch.equal(r["q"], q)
+                hits += 1
+            before = r["seq"]
+        capped += sum(nxt["cached"] is False and (r["accepted"], r["tokens"][-1]) in r["keys"]
+                      for r, nxt in zip(rounds, rounds[1:]))
+    assert hits > 20 and capped > 0  # capped: a stored speculation cut short by the full context, a miss
+
+
+# A fan-out as large as the vocabulary: tiny vocabularies, real Transformers and KV caches.
+V, NEW, PROMPT = 5, 4, [1, 2]      # 5^4 = 625 continuations; a round can be followed by 1-2 lookups
+TINY = ModelConfig(vocab_size=V, context=12, n_layer=1, n_head=2, d_model=16, d_ff=32)
+
+
+@torch.no_grad()
+def test_a_fan_out_covering_the_vocabulary_always_hits():
+    """A bonus after k < n accepted drafts is never x_{k+1} (residual(p, q) is 0 where a draft can be
+    rejected), so V - 1 candidates cover it; after all n pass, any of the V tokens can follow."""
+    target = random_model(TINY, seed=0)
+    draft = random_model(TINY, seed=1)
+    for k, temperature, seed in itertools.product((1, 2, 3), (0.0, 1.0), range(3)):
+        for fan_out in (V, [V - 1] * k + [V]):
+            rounds, on_round = recorder()
+            out, stats = ssd_generate(target, draft, PROMPT, 8, k, fan_out, temperature, stop_token=None,
+                                      generator=torch.Generator().manual_seed(seed), on_round=on_round, costs=COSTS)
+            check_counts(out, stats, rounds, k)
+            assert sum(stats["lookups"]) > 0 and stats["hit_rate"] == 1
+            assert stats["jit_forwards"] == len(rounds[0]["drafts"])  # only the first round drafts just in time
+
+
+@torch.no_grad()
+def test_threaded_and_sequential_runs_agree_draw_for_draw(greedy_models):
+    """The run-ahead draws only from its own stream, so running it in a second thread changes no
+    token, no cache decision and no count. Tiny-vocabulary models make hits common at T > 0."""
+    target, drafts = greedy_models
+    tiny_target, tiny_draft = random_model(TINY, seed=0), random_model(TINY, seed=1)
+    ignore = ("seconds", "tokens_per_s", "threaded")
+    for models, warping in (((target, drafts["close"]), (0.0,)), ((tiny_target, tiny_draft), (1.0,)),
+                            ((tiny_target, tiny_draft), (0.7, 3, 0.9))):
+        used_cache = 0
+        for seed in range(2):
+            runs = []
+            for threaded in (False, True):
+                rounds, on_round = recorder()
+                out, stats = ssd_generate(*models, [3, 4, 1, 2], 8, 3, 2, *warping,
+                                          generator=torch.Generator().manual_seed(seed), stop_token=None,
+                                          threaded=threaded, on_round=on_round, costs=COSTS)
+                counts = {key: value for key, value in stats.items() if not key.startswith(ignore)}
+                trace = [(r["drafts"], r["cached"], r["keys"], r["accepted"]) for r in rounds]
+                runs.append((out, counts, trace))
+                assert stats["threaded"] == threaded
+            assert runs[0] == runs[1], (warping, seed)
+            used_cache += sum(r[1] is True for r in runs[0][2])
+        assert used_cache > 0, warping
+
+
+@torch.no_grad()
+def test_modelled_times_follow_from_the_counted_forwards(greedy_models):
+    """SD drafts every proposed token (one forward each) and then verifies; SSD drafts only after a
+    miss, and its run-ahead costs time only where it outlasts the verification it overlaps."""
+    target, drafts = greedy_models
+    for draft_s, target_s in ((0.1, 1.0), (0.7, 1.0), (0.0, 2.0)):  # 0.7: some run-aheads outlast verification
+        rounds, on_round = recorder()
+        out, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 24, 4, 2, stop_token=None,
+                                  on_round=on_round, costs=(draft_s, target_s))
+        sd = stats["rounds"] * target_s + stats["proposed"] * draft_s
+        ssd = sum(r["jit_forwards"] * draft_s + max(target_s, r["ahead_forwards"] * draft_s) for r in rounds)
+        assert math.isclose(stats["modelled_seconds_sd"], sd) and math.isclose(stats["modelled_seconds_ssd"], ssd)
+        assert math.isclose(stats["modelled_speedup"], sd / ssd)
+        assert (draft_s, target_s) == (stats["draft_forward_seconds"], stats["target_forward_seconds"])
+        if draft_s == 0:
+            assert math.isclose(ssd, stats["rounds"] * target_s)
+        assert any(r["ahead_forwards"] * draft_s > target_s for r in rounds) == (draft_s == 0.7)
+    _, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 8, 2, 1, stop_token=None)  # measured costs
+    assert stats["draft_forward_seconds"] > 0 and stats["target_forward_seconds"] > 0
+
+
+def test_geometric_fan_out_is_the_best_split_of_its_budget():
+    """Greedy allocation maximises sum_n P(n) (1 - (1 + F_n)^-r): checked against every split."""
+    k, budget = 2, 6
+    for alpha, r in itertools.product((0.2, 0.6, 0.9), (0.5, 1.0, 2.0)):
+        chance = [alpha ** n * (1 - alpha) for n in range(k)] + [alpha ** k]
+
+        def hit(fan):
+            return sum(c * (1 - (1 + f) ** -r) for c, f in zip(chance, fan))
+        fan = geometric_fan_out(budget, k, alpha, r)
+        assert sum(fan) == budget
+        best = max(hit(s) for s in itertools.product(range(budget + 1), repeat=k + 1) if sum(s) == budget)
+        assert math.isclose(hit(fan), best)
+    assert geometric_fan_out(10, 3, 0.5, cap=2) == [2, 2, 2, 2]  # capped: budget left unspent
+    assert geometric_fan_out(12, 4, 0.3)[:4] == sorted(geometric_fan_out(12, 4, 0.3)[:4], reverse=True)
+
+
+def test_sample_draws_from_q():
+    """sampling.sample's inverse-CDF draws (the batched run-ahead leans on them) against q itself: 100,000 draws per row, chi-square at
+    significance 1e-3 (power: a cell off by DELTA gives lam >= 1e5 DELTA^2 (1 - P) / P >= 40 on
+    <= 6 df here, caught with probability > 0.99); ids of probability 0 are never drawn."""
+    g = torch.Generator().manual_seed(0)
+    q = warp(torch.randn(4, 7, generator=g) * 2)  # (4, V)
+    q[0, 0] = q[1, -1] = q[2, 3] = 0.0  # zeros first, last and inside
+    q = q / q.sum(-1, keepdim=True)
+    q[3] = torch.nn.functional.one_hot(torch.tensor(5), 7).float()
+    n = 100_000
+    draws = sample(q.repeat_interleave(n, 0), g).view(4, n)  # (4, n)
+    for row, probs in zip(draws, q):
+        counts = torch.bincount(row, minlength=7)
+        assert counts[probs == 0].sum() == 0
+        p, o = probs[probs > 0].double(), counts[probs > 0].double()
+        if len(p) > 1:
+            df = len(p) - 1
+            assert float(((o - n * p) ** 2 / (n * p)).sum()) < chi2_quantile(df, Z_ALPHA)
+            heaviest = float(p.max())
+            assert noncentral_chi2_sf(chi2_quantile(df, Z_ALPHA), df, n * DELTA ** 2 * (1 - heaviest) / heaviest) > 0.99
+
+
+def test_bad_input_is_a_clear_error(greedy_models):
+    target, drafts = greedy_models
+    for fan_out in (0, -1, 2.5, True, [1, 1], [0, 0, 0], [1, -1, 1], "3"):
+        with pytest.raises(UserError, match="fan-out"):
+            ssd_generate(target, drafts["small"], [1, 2], 5, 2, fan_out, costs=COSTS)
+    for k in (0, -1, 2.5):
+        with pytest.raises(UserError, match="k "):
+            ssd_generate(target, drafts["small"], [1, 2], 5, k, 1, costs=COSTS)
+    with pytest.raises(UserError, match="costs"):
+        ssd_generate(target, drafts["small"], [1, 2], 5, 2, 1, costs=(-1.0, 1.0))
+    with pytest.raises(UserError, match="empty"):
+        ssd_generate(target, drafts["small"], [], 5, 2, 1, costs=COSTS)
+    with pytest.raises(UserError, match="temperature"):
+        ssd_generate(target, drafts["small"], [1, 2], 5, 2, 1, temperature=-1, costs=COSTS)
+    for args in ((0, 2, 0.5), (4, 2, 1.5), (4, 2, 0.5, 0), (4, 2, 0.5, 1.0, 0)):
+        with pytest.raises(UserError):
+            geometric_fan_out(*args)
+
+
+# Distribution: at temperature > 0 the committed tokens must follow the target's joint exactly.
+class TableCache:
+    """KVCache's interface over token ids: row i of k[0] (and v[0], the same tensor) holds the id
+    the model read at cache row i, so the run-ahead's fork copies ids the way it copies keys."""
+
+    def __init__(self, batch_size, capacity):
+        ids = torch.full((batch_size, 1, capacity, 1), -1)  # (B, 1, capacity, 1)
+        self.k, self.v, self.length = [ids], [ids], 0
+
+    def crop(self, n):
+        assert 0 <= n <= self.length
+        self.length = n
+
+    def advance(self, n):
+        self.length += n
+
+
+class TableModel(torch.nn.Module):
+    """A Transformer's conditionals after PROMPT from full forwards, looked up by the tokens each
+    query attends to: its mask row (or, causally, every row up to it). A generation costs a few
+    table lookups instead of ~10 forwards, so a powerful test fits in seconds. A wrong mask, fork,
+    crop or position id gives a wrong lookup key (a wrong distribution) or fails its assertions;
+    the real KV cache path is proven by the greedy, hit and real-caches tests."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.config, self.embed = model.config, model.embed
+        rest = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
+        seqs = torch.cat([torch.tensor(PROMPT).expand(len(rest), -1), rest], 1)  # (M, T)
+        with torch.no_grad():
+            logits = model(seqs, causal=True)  # (M, T, V)
+        self.table = {tuple(seq[:t + 1]): row[t] for seq, row in zip(seqs.tolist(), logits)
+                      for t in range(seqs.shape[1])}
+
+    def new_cache(self, batch_size=1):
+        return TableCache(batch_size, self.config.context)
+
+    def forward(self, x, *, pos=None, mask=None, causal=True, cache=None):
+        B, T = x.shape
+        past = cache.length
+        ids = cache.k[0][:, 0, :, 0]  # (B, capacity)
+        ids[:, past:past + T] = x
+        cache.advance(T)
+        rows = ids[:, :past + T].tolist()
+        if mask is None:
+            assert causal
+            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+        mask = mask.expand(B, T, past + T).tolist()
+        pos = None if pos is None else pos.expand(B, T).tolist()
+        out = []
+        for b, t in itertools.product(range(B), range(T)):
+            seen = tuple(i for i, visible in zip(rows[b], mask[b][t]) if visible)
+            assert seen[-1] == rows[b][past + t] and (pos is None or pos[b][t] == len(seen) - 1)
+            out.append(self.table[seen])
+        return torch.stack(out).view(B, T, -1)
+
+
+@torch.no_grad()
+def exact_joint(target, temperature, top_k, top_p):
+    """P(x_1..x_NEW | PROMPT) for all V^NEW continuations in itertools.product order, from one full
+    forward of the target (no cache, no speculation)."""
+    rest = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
+    x = torch.cat([torch.tensor(PROMPT).expand(len(rest), -1), rest], 1)  # (M, T)
+    p = warp(target(x, causal=True)[:, len(PROMPT) - 1:], temperature, top_k, top_p)  # (M, NEW, V)
+    path = p[:, :-1].gather(-1, rest[..., None]).prod(1)  # (M, 1): P(first NEW-1 tokens)
+    return (path * p[:, -1]).flatten()  # (V^NEW,)
+
+
+class Case(NamedTuple):
+    draft: Callable              # builds the draft from the target
+    k: int                       # drafts per round
+    fan_out: object              # int or per-k list
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    samples: int = 4_000         # seeded generations: enough for POWER on this case's target
+    table: bool = True           # TableModel lookups (fast) or the Transformers' real KV caches
+
+
+def flat_target():
+    """Smaller weights than random_model's default: a flatter joint, so fewer samples reach POWER."""
+    return random_model(TINY, seed=1, embed_std=0.1, std=0.2)
+
+
+def good_draft(target):
+    return perturbed(target, seed=3, noise=0.05)
+
+
+def random_draft(target):
+    return random_model(TINY, seed=2)
+
+
+CASES = {
+    "good draft, fan-out 2": Case(good_draft, k=2, fan_out=2),
+    "random draft, geometric fan-out": Case(random_draft, k=3, fan_out=geometric_fan_out(6, 3, 0.5)),
+    "whole vocabulary (every lookup hits)": Case(random_draft, k=2, fan_out=V),
+    "one-hot draft": Case(lambda target: one_hot(good_draft(target)), k=2, fan_out=2),
+    # End to end through the real KV caches, the batched masked pre-draft included.
+    "real caches, top-p 0.9": Case(random_draft, k=2, fan_out=2, top_p=0.9, table=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@torch.no_grad()
+def test_sampled_tokens_follow_the_exact_target_distribution(case):
+    """Chi-square goodness of fit of seeded generations against the enumerated joint, with the
+    design of test_speculative.py. Significance 1e-3 per case (deterministic for fixed seeds).
+    Power: one continuation off by DELTA = 2 points, the others absorbing it in proportion, makes
+    the statistic noncentral chi-square with lam >= N DELTA^2 (1 - P) / P for the heaviest bin P.
+    Here (one flat target; T = 1, and T = 1 with top-p 0.9: the same bins) there are 46 bins, the
+    heaviest 0.026, so 4,000 generations catch such an error with probability 0.92 in every case.
+    The power is computed from the exact joint and asserted >= POWER. Each case must also hit the
+    cache more than N / 20 times (at every lookup, for the whole vocabulary), or it tests only SD.
+    """
+    make_draft, k, fan_out, temperature, top_k, top_p, n, table = CASES[case]
+    target = flat_target()
+    draft = make_draft(target)
+    probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
+    if table:
+        target, draft = TableModel(target), TableModel(draft)
+    counts = torch.zeros(V ** NEW, dtype=torch.long)
+    hits = lookups = 0
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        out, stats = ssd_generate(target, draft, PROMPT, NEW, k, fan_out, temperature, top_k, top_p,
+                                  generator=generator, stop_token=None, costs=COSTS)
+        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+        hits, lookups = hits + sum(stats["hits"]), lookups + sum(stats["lookups"])
+    assert hits > 0.05 * n  # the cached speculations are exercised, not only just-in-time drafting
+    if case.startswith("whole vocabulary"):
+        assert hits == lookups
+    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
+    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
+    df = len(bins_p) - 1
+    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
+    critical = chi2_quantile(df, Z_ALPHA)
+    heaviest = max(bins_p)
+    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
+    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"

@@ -1,0 +1,349 @@
+"""Speculative speculative decoding (SSD): the drafter prepares round t+1 while the target verifies round t.
+
+Paper: Kumar, Dao and May, "Speculative Speculative Decoding" (SSD; its optimised algorithm is
+called Saguaro), 2026. Published: up to 2x over optimised speculative decoding and up to 5x over
+autoregressive decoding, with the draft on its own GPU.
+
+In speculative decoding (speculative.py) the draft waits while the target verifies. Here, during
+the verification of round t (committed seq S of L tokens, drafts x_1..x_n), the draft runs ahead:
+  1. catch up: one forward over what its cache lacks up to x_n gives its logits after S + x_1..x_k
+     for every k = 0..n, and the KV rows every branch below shares;
+  2. predict the outcome: "k drafts accepted, then bonus b". For each k it takes the F_k likeliest
+     tokens b of its own distribution at position k+1 (the target's p there is not known yet: the
+     draft's q is the available proxy). For k < n, x_{k+1} itself is skipped: a rejected draft is
+     never the correction, since residual(p, q) is 0 wherever q >= p, and rejection needs p < q.
+     (At T > 0 the proxy is weak after a rejection: the residual lives where p > q, on tokens
+     the draft under-rates; the paper's Saguaro sampling reshapes q to fix that, not done here);
+  3. pre-draft: for every branch (k, b) sample the next round's drafts after S + x_1..x_k + b, all
+     branches at once: one batched forward per draft position. Each batch row gets a copy of the
+     shared prefix rows of the draft's cache; a boolean mask hides from row (k, b) the drafts
+     x_{k+1}..x_n it did not accept, and its position ids continue from L + k;
+  4. store {(k, b): (drafts, q)}: the speculation and the draft distributions it was sampled from.
+After verification the outcome (n, token) is looked up: a hit hands the next round its speculation
+at once; a miss drafts just in time (speculative.draft_round). Verification is speculative.verify,
+unchanged, against the q the speculation was sampled with, so the output distribution is the
+target's (at temperature 0: plain greedy decoding, token for token).
+
+Fan-out: an int F prepares F bonus tokens for every accepted count, (K+1)F branches in all; the
+simplest knob to plot a hit rate against, and with F >= V it covers every outcome. A list gives
+F_k per k; `geometric_fan_out` spreads a budget the paper's way (capped geometric in k), which
+pays when alpha is far from 1/2. Every branch is a batch row in each of the run-ahead's forwards:
+nearly free on a GPU (memory-bound), but on a CPU the draft's 50,258-wide head makes a batched
+forward cost about as much as its rows one by one, so there the run-ahead can outlast verification.
+Randomness: verification and just-in-time drafting draw from `generator`, the run-ahead only from
+`ahead_generator` (default: seeded by one draw of `generator` at the start, so every call gets a
+fresh stream). Neither stream depends on when the other thread runs, so threaded and sequential
+runs give the same tokens and counts for one seed. Near a full context (prompt + new tokens + K - 2
+> the draft's context) the last run-aheads have no room for whole speculations: those lookups miss.
+
+Two executions of the same algorithm (`threaded`):
+  False  the accounting mode: the run-ahead runs inline; forwards are counted and priced with
+         per-forward costs (measured, or `costs=(draft_s, target_s)`) as if the draft had its own
+         device, where a batched forward over a few rows costs one forward:
+           SD   = rounds * target_s + proposed * draft_s            (drafts one forward each)
+           SSD  = sum over rounds of jit * draft_s + max(target_s, ahead * draft_s)
+         jit = draft forwards run just in time before the round (a miss, or the first round),
+         ahead = run-ahead forwards launched during its verification.
+  True   the real overlap: the run-ahead in a second Python thread (torch releases the GIL inside
+         its ops; give each side a core) or, on a GPU, on a second CUDA stream from that thread.
+Caches: the target's as in speculative.py; the draft's holds a prefix of seq[:-1] between rounds.
+
+Leaves out: Saguaro sampling (down-weighting cached tokens in q to raise hits), a fast backup
+speculator for misses, batches of prompts, running the draft on another device.
+"""
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import torch
+
+from tinydiff.ar import check_prompt
+from tinydiff.errors import UserError
+from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.speculative import check_models, draft_round, target_probs, verify
+from tinydiff.tokenizer import EOT, MASK
+
+
+def check_fan_out(fan_out, k: int) -> list[int]:
+    """An int F (F bonus tokens for every accepted count) or k+1 ints F_0..F_k -> the list."""
+    if isinstance(fan_out, int) and not isinstance(fan_out, bool):
+        if fan_out < 1:
+            raise UserError(f"fan-out must be an integer >= 1 (bonus tokens pre-drafted per accepted count), "
+                            f"got {fan_out}")
+        return [fan_out] * (k + 1)
+    if (not isinstance(fan_out, (list, tuple)) or len(fan_out) != k + 1
+            or not all(isinstance(f, int) and f >= 0 for f in fan_out) or sum(fan_out) < 1):
+        raise UserError(f"fan-out must be an integer >= 1 or a list of k+1 = {k + 1} integers >= 0 "
+                        f"(one per accepted count 0..k, not all 0), got {fan_out!r}")
+    return list(fan_out)
+
+
+def geometric_fan_out(budget: int, k: int, alpha: float, r: float = 1.0, cap: int | None = None) -> list[int]:
+    """Spread `budget` pre-drafted branches over accepted counts 0..k (the paper's allocation).
+
+    Model: n drafts are accepted with P(n) = alpha^n (1 - alpha) for n < k and alpha^k for n = k
+    (independent acceptances), and the bonus lies outside the draft's top F with probability
+    (1 + F)^-r (the power law the paper measures). The hit rate sum_n P(n) (1 - (1 + F_n)^-r) under
+    sum F_n = budget is maximised by 1 + F_n ~ P(n)^(1/(1+r)): geometric in n with ratio
+    alpha^(1/(1+r)), a larger share at n = k, each F_n at most `cap`. Allocated greedily, one
+    branch at a time where it adds the most hit probability (exact for this concave objective).
+    """
+    if not isinstance(budget, int) or budget < 1 or not 0 <= alpha <= 1 or r <= 0 or (cap is not None and cap < 1):
+        raise UserError(f"need budget >= 1, 0 <= alpha <= 1, r > 0, cap >= 1; got {budget}, {alpha}, {r}, {cap}")
+    chance = [alpha ** n * (1 - alpha) for n in range(k)] + [alpha ** k]  # P(n accepted)
+    fan = [0] * (k + 1)
+    for _ in range(budget):
+        gain = [-1.0 if cap is not None and f >= cap else c * ((1 + f) ** -r - (2 + f) ** -r)
+                for c, f in zip(chance, fan)]
+        best = max(range(k + 1), key=gain.__getitem__)
+        if gain[best] < 0:
+            break  # every count is at its cap
+        fan[best] += 1
+    return fan
+
+
+def branches_for(logits, drafts, fan_out, next_drafts, stop_token):
+    """The outcomes (k, bonus) worth preparing. logits (n+1, V): the draft's after S + x_1..x_k."""
+    V = logits.shape[-1]
+    out = []
+    for k, row in enumerate(logits):
+        if next_drafts[k] < 1 or fan_out[k] < 1 or stop_token in drafts[:k].tolist():
+            continue  # no next round to prepare after this outcome
+        excluded = ([MASK] if V > MASK else []) + ([int(drafts[k])] if k < len(drafts) else [])
+        rank = row.float().nan_to_num(neginf=torch.finfo(torch.float32).min)  # -inf from hooks still ranks
+        rank[excluded] = float("-inf")
+        top = rank.topk(min(fan_out[k], V - len(excluded))).indices.tolist()
+        out += [(k, b) for b in top if b != stop_token]
+    return out
+
+
+def fork(cache, branch_cache, rows: int):
+    """Copy the first `rows` rows of a batch-1 cache into every batch row of branch_cache."""
+    for dst, src in zip(branch_cache.k + branch_cache.v, cache.k + cache.v):
+        dst[:, :, :rows] = src[:, :, :rows]
+    branch_cache.crop(0)
+    branch_cache.advance(rows)
+
+
+@torch.no_grad()
+def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, generator=None, stop_token=None,
+              branch_caches=None):
+    """Pre-draft the next round for the likely outcomes of this one (steps 1-4 of the docstring).
+
+    seq: committed ids (L); drafts (n,) this round's speculation; fan_out: F_0..F_K;
+    next_drafts[k]: drafts the next round proposes if k drafts are accepted (< 1: nothing to prepare).
+    branch_caches: {batch size: KVCache} reused between calls. Leaves `cache` holding S + x_1..x_n.
+    Returns ({(k, bonus): (drafts (m_k,), q (m_k, V))}, draft forwards run).
+    """
+    device = drafts.device
+    L, n = len(seq), len(drafts)
+    cache.crop(min(cache.length, L - 1))
+    start = cache.length
+    x = torch.cat([torch.tensor(seq[start:], device=device), drafts])[None]  # (1, L + n - start)
+    logits = draft(x, cache=cache, causal=True)[0, L - 1 - start:]  # (n+1, V): after S + x_1..x_k
+    branches = branches_for(logits, drafts, fan_out, next_drafts, stop_token)
+    P = L + n  # rows every branch shares a prefix of
+    steps = min(max((next_drafts[k] for k, _ in branches), default=0), draft.config.context - P)
+    if steps < 1:
+        return {}, 1
+    B = len(branches)
+    branch_caches = {} if branch_caches is None else branch_caches
+    if B not in branch_caches:
+        branch_caches[B] = draft.new_cache(B)
+    branch_cache = branch_caches[B]
+    fork(cache, branch_cache, P)
+    ends = torch.tensor([L + k for k, _ in branches], device=device)[:, None]  # (B, 1): prefix S + x_1..x_k
+    cols = torch.arange(P + steps, device=device)  # (P + steps,)
+    x = torch.tensor([[b] for _, b in branches], device=device)  # (B, 1): the bonus, then each new draft
+    tokens, qs = [], []
+    for j in range(steps):
+        mask = (cols[:P + j + 1] < ends) | (cols[:P + j + 1] >= P)  # (B, S): own prefix + own branch rows
+        logits = draft(x, pos=ends + j, mask=mask[:, None], cache=branch_cache)[:, -1]  # (B, V)
+        q = next_token_probs(logits, *warp_args)  # (B, V)
+        x = sample(q, generator)[:, None]  # (B, 1)
+        tokens.append(x[:, 0])
+        qs.append(q)
+    tokens, qs = torch.stack(tokens, 1), torch.stack(qs, 1)  # (B, steps), (B, steps, V)
+    entries = {(k, b): (tokens[i, :next_drafts[k]], qs[i, :next_drafts[k]]) for i, (k, b) in enumerate(branches)}
+    return entries, 1 + steps
+
+
+class Overlap:
+    """Runs a job inline (threaded=False) or in one worker thread, on a side CUDA stream on a GPU."""
+
+    def __init__(self, threaded: bool, device):
+        self.pool = ThreadPoolExecutor(max_workers=1) if threaded else None
+        self.cuda = threaded and device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.main = torch.cuda.current_stream(device) if self.cuda else None
+
+    def start(self, job):
+        """Start job(); returns a function that waits for (its result, (start, end) times)."""
+        def timed():
+            if self.cuda:
+                self.side.wait_stream(self.main)  # what the main stream wrote (drafts, cache) is ready
+                with torch.cuda.stream(self.side):
+                    begin, result = time.perf_counter(), job()
+                    self.side.synchronize()
+            else:
+                begin, result = time.perf_counter(), job()
+            return result, (begin, time.perf_counter())
+        if self.pool is None:
+            done = timed()
+            return lambda: done
+        future = self.pool.submit(timed)
+
+        def wait():
+            done = future.result()
+            if self.cuda:
+                self.main.wait_stream(self.side)
+            return done
+        return wait
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+@torch.no_grad()
+def forward_seconds(model, seq, reps: int = 5) -> float:
+    """Median seconds of one single-token KV-cached forward after seq: decoding's unit cost."""
+    device = model.embed.weight.device
+    cache = model.new_cache(1)
+    model(torch.tensor([seq], device=device), cache=cache, causal=True)
+    times = []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        model(torch.tensor([seq[-1:]], device=device), cache=cache, causal=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+        cache.crop(len(seq))
+    return sorted(times)[reps // 2]
+
+
+@torch.no_grad()
+def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=0.0, top_k=None, top_p=None,
+                 generator=None, stop_token=EOT, threaded=False, on_round=None, costs=None, ahead_generator=None):
+    """Speculative decoding whose draft pre-drafts the next round during verification (see above).
+
+    Arguments as speculative_generate, plus fan_out (int or k+1 ints), threaded, costs
+    (draft_s, target_s) for the modelled times (default: measured before the timer starts) and
+    ahead_generator (the run-ahead's random stream). on_round(info) after every round: drafts, q,
+    cached (this round's drafts came from the cache: True, after a miss: False, no lookup: None),
+    accepted, tokens, seq, keys (the (k, bonus) the run-ahead stored), jit_forwards,
+    ahead_forwards, times ({"jit", "verify", "ahead"}: (start, end) seconds into the run or
+    None), target_cache, draft_cache.
+
+    Returns (new ids, stats): speculative_generate's keys, with draft_forwards = jit_forwards +
+    ahead_forwards (a batched forward counts once), and hit_rate (hits / lookups; a lookup is made
+    after every round that a round with drafts follows), hits and lookups per accepted count,
+    branches (speculations pre-drafted), seconds_jit (drafting just in time), seconds_waiting (the
+    main thread waiting for the run-ahead after verification), seconds_jit_avoided (hits' drafts
+    times the measured seconds per just-in-time draft forward), seconds_hidden (avoided minus
+    waiting: negative when the run-ahead outlasts verification), draft_forward_seconds,
+    target_forward_seconds, modelled_seconds_sd, modelled_seconds_ssd, modelled_speedup, threaded.
+    """
+    if not isinstance(k, int) or k < 1:
+        raise UserError(f"k (drafts per round) must be an integer >= 1, got {k!r}")
+    fan_out = check_fan_out(fan_out, k)
+    check_warp_args(temperature, top_k, top_p)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_models(target, draft, len(prompt) + n_new)
+    device = target.embed.weight.device
+    if costs is None:
+        costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
+    if len(costs) != 2 or min(costs) < 0:
+        raise UserError(f"costs must be (draft_seconds, target_seconds), both >= 0, got {costs!r}")
+    draft_s, target_s = costs
+    if ahead_generator is None:  # one draw of the main stream seeds the run-ahead's own stream
+        seed = torch.randint(2 ** 62, (), generator=generator, device=generator.device if generator else "cpu")
+        ahead_generator = torch.Generator(device).manual_seed(int(seed))
+    warp_args = (temperature, top_k, top_p)
+    target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
+    seq, out, speculation, cached = list(prompt), [], None, None
+    hist, hits, lookups = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
+    proposed = jit_total = ahead_total = branches = 0
+    seconds_jit = seconds_waiting = modelled_ssd = 0.0
+    overlap = Overlap(threaded, device)
+    start = time.perf_counter()
+
+    def rel(span):  # (start, end) perf_counter times -> seconds into the run
+        return None if span is None else (span[0] - start, span[1] - start)
+    try:
+        while len(out) < n_new:
+            n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
+            t0 = time.perf_counter()
+            if speculation is None:  # the first round, a miss, or a round without drafts
+                drafts, q = draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
+                jit = n_drafts
+            else:
+                (drafts, q), jit = speculation, 0
+            t1 = time.perf_counter()
+            # After "i accepted, then a bonus", n_new - len(out) - i - 1 remain: the next round drafts one less.
+            next_drafts = [min(k, n_new - len(out) - i - 2) if i <= n_drafts else 0 for i in range(k + 1)]
+            ahead = None
+            if max(next_drafts) >= 1:
+                ahead = overlap.start(partial(run_ahead, draft, draft_cache, list(seq), drafts, fan_out, next_drafts,
+                                              warp_args, ahead_generator, stop_token, branch_caches))
+            t2 = time.perf_counter()
+            p = target_probs(target, target_cache, seq, drafts, warp_args)
+            n, token = verify(p, q, drafts, generator)
+            t3 = time.perf_counter()
+            (entries, ahead_forwards), ahead_times = ahead() if ahead else (({}, 0), None)
+            if ahead:
+                seconds_waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
+            tokens = drafts[:n].tolist() + [token]
+            stopped = stop_token in tokens
+            if stopped:
+                tokens = tokens[:tokens.index(stop_token) + 1]
+            seq += tokens
+            out += tokens
+            target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
+            draft_cache.crop(min(draft_cache.length, len(seq) - 1))
+            hist[n] += 1
+            proposed += n_drafts
+            jit_total += jit
+            ahead_total += ahead_forwards
+            branches += len(entries)
+            seconds_jit += t1 - t0
+            modelled_ssd += jit * draft_s + max(target_s, ahead_forwards * draft_s)
+            if on_round is not None:
+                on_round({"drafts": drafts.tolist(), "q": q, "cached": cached, "accepted": n, "tokens": tokens,
+                          "seq": list(seq), "keys": list(entries), "jit_forwards": jit,
+                          "ahead_forwards": ahead_forwards,
+                          "times": {"jit": rel((t0, t1)) if jit else None, "verify": rel((t2, t3)),
+                                    "ahead": rel(ahead_times)},
+                          "target_cache": target_cache, "draft_cache": draft_cache})
+            if stopped:
+                break
+            # Look up the next round's speculation by this round's outcome.
+            m = min(k, n_new - len(out) - 1)
+            speculation, cached = None, None
+            if m >= 1:
+                found = entries.get((n, token))
+                cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
+                lookups[n] += 1
+                hits[n] += cached
+                speculation = found if cached else None
+    finally:
+        overlap.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rounds = sum(hist)
+    accepted = sum(i * count for i, count in enumerate(hist))
+    per_jit_forward = seconds_jit / jit_total if jit_total else draft_s
+    avoided = per_jit_forward * (proposed - jit_total)  # proposed drafts not drafted just in time: hits
+    modelled_sd = rounds * target_s + proposed * draft_s
+    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
+                 "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
+                 "target_forwards": rounds, "draft_forwards": jit_total + ahead_total,
+                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds,
+                 "hit_rate": sum(hits) / sum(lookups) if sum(lookups) else None, "hits": hits, "lookups": lookups,
+                 "jit_forwards": jit_total, "ahead_forwards": ahead_total, "branches": branches,
+                 "seconds_jit": seconds_jit, "seconds_waiting": seconds_waiting, "seconds_jit_avoided": avoided,
+                 "seconds_hidden": avoided - seconds_waiting, "draft_forward_seconds": draft_s,
+                 "target_forward_seconds": target_s, "modelled_seconds_sd": modelled_sd,
+                 "modelled_seconds_ssd": modelled_ssd,
+                 "modelled_speedup": modelled_sd / modelled_ssd if modelled_ssd else None, "threaded": threaded}
