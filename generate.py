@@ -9,8 +9,11 @@
 The method follows the checkpoint: `diffusion` for a masked-diffusion LM (the canvas starts
 all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregressive one;
 `spec` decodes an AR target with a small AR draft proposing k tokens per target forward
-(lossless: the same distribution as `ar`); `dflash` drafts a whole block per forward with a
-block-diffusion drafter trained by `train.py --model dflash`. vLLM's spelling works too:
+(lossless: the same distribution as `ar`); `ssd` is `spec` with the draft running ahead in a
+second thread, pre-drafting the next round for likely outcomes while the target verifies;
+`dflash` drafts a whole block per forward with a block-diffusion drafter trained by
+`train.py --model dflash`; `ddtree` turns that one drafter pass into a tree of the likeliest
+continuations (--budget nodes) and verifies the whole tree in one target forward. vLLM's spelling works too:
     --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}'
     --speculative-config '{"method": "dflash", "model": "out/dflash-tiny/ckpt.pt"}'
 
@@ -28,6 +31,7 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint, load_model
 from tinydiff.dflash import drafter_from
+from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.errors import UserError
@@ -37,7 +41,8 @@ from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # method -> checkpoint kinds it decodes
-METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "diffusion": ("mdlm", "mdlm-moe")}
+METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "ddtree": ("ar",),
+           "diffusion": ("mdlm", "mdlm-moe")}
 
 
 def parse_args(argv=None):
@@ -59,7 +64,8 @@ def parse_args(argv=None):
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
     spec.add_argument("--fan-out", type=int, default=3, help="--method ssd: bonus tokens pre-drafted per accepted count")
     spec.add_argument("--drafter", help="--method dflash: the DFlash drafter checkpoint")
-    spec.add_argument("--block-size", type=int, help="--method dflash: block size (default: the drafter's)")
+    spec.add_argument("--block-size", type=int, help="--method dflash/ddtree: block size (default: the drafter's)")
+    spec.add_argument("--budget", type=int, default=32, help="--method ddtree: tree nodes verified per round")
     diff = p.add_argument_group("diffusion")
     diff.add_argument("--gen-length", type=int, default=128, help="tokens on the canvas after the prompt")
     diff.add_argument("--steps", type=int, help="forward passes in all (default: gen-length, one token per step)")
@@ -128,11 +134,14 @@ def run_speculative(model, prompt, args, generator, warping):
         return ssd_generate(model, draft, prompt, args.max_new_tokens, args.k, args.fan_out, *warping, generator,
                             threaded=True)
     if not args.drafter:
-        raise UserError("--method dflash needs --drafter DRAFTER_CKPT (trained with train.py --model dflash)")
+        raise UserError(f"--method {args.method} needs --drafter DRAFTER_CKPT (trained with train.py --model dflash)")
     drafter_ckpt = load_checkpoint(args.drafter)
     if drafter_ckpt["kind"] != "dflash":
         raise UserError(f"{args.drafter} holds a {drafter_ckpt['kind']} model, not a dflash drafter")
     drafter = drafter_from(drafter_ckpt, model, args.drafter)
+    if args.method == "ddtree":
+        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, args.budget, *warping,
+                               generator)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
 
 
@@ -163,7 +172,7 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    if method in ("ar", "spec", "ssd", "dflash"):
+    if method in ("ar", "spec", "ssd", "dflash", "ddtree"):
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method

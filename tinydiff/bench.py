@@ -77,13 +77,15 @@ def measure(method, models, prompts, args) -> dict:
            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
            "tau": totals["new_tokens"] / totals["target_forwards"]}
     row.update({key: totals[key] / len(prompts) for key in MEANS if key in totals})
+    if "nodes" in totals:  # a tree's verify cost: nodes per round (alpha is not defined for trees)
+        row["nodes_per_round"] = totals["nodes"] / totals["rounds"]
     if "hits" in totals:
         row["hit_rate"] = sum(totals["hits"]) / max(1, sum(totals["lookups"]))
         row["modelled_speedup_vs_spec"] = totals["modelled_seconds_sd"] / totals["modelled_seconds_ssd"]
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
-        row["alpha"] = accepted / totals["proposed"] if totals["proposed"] else None
+        row["alpha"] = accepted / totals["proposed"] if totals.get("proposed") else None
     return row
 
 
@@ -223,6 +225,8 @@ def main(argv=None):
             measured = f"{r['tokens_per_s'] / spec4:.2f}x spec-k4 measured, " if spec4 else ""
             print(f"{r['method']}: hit rate {r['hit_rate']:.2f}, {measured}"
                   f"{r['modelled_speedup_vs_spec']:.2f}x modelled with the draft on its own device")
+        if "nodes_per_round" in r:
+            print(f"{r['method']}: {r['nodes_per_round']:.1f} tree nodes verified per target forward")
         if "unique_experts_per_block" in r:
             print(f"{r['method']}: {r['unique_experts_per_block']:.1f} unique experts per 32-token block, "
                   f"{r['expert_bytes_per_forward'] / 1e6:.2f} MB of expert weights per forward, "

@@ -7,6 +7,7 @@ AR draft), "drafter" (the DFlash drafter), "mdlm" (the diffusion LM) and "moe" (
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 from tinydiff.ar import ar_generate
+from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.sampler import generate, generate_cached
@@ -54,6 +55,14 @@ def run_dflash(models, prompt, args, generator, block_size):
             "accepted": stats["accepted"], "proposed": stats["proposed"]}
 
 
+def run_ddtree(models, prompt, args, generator, budget):
+    """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward."""
+    ids, stats = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
+                                 args.temperature, generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
+            "accepted": stats["accepted"], "rounds": stats["rounds"], "nodes": stats["proposed"]}
+
+
 def run_dmoe(models, prompt, args, generator, routing):
     """The MoE diffusion LM under token or block expert routing: what each forward reads."""
     model = models["moe"]
@@ -76,6 +85,7 @@ METHODS = {
     "ssd-f8": lambda *a: run_ssd(*a, fan_out=8),
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
+    **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},
     "diffusion": run_diffusion,
     "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
     "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
@@ -84,5 +94,5 @@ METHODS = {
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target",
-        "dflash-b8": "target", "dflash-b16": "target", "ssd-f1": "target", "ssd-f3": "target", "ssd-f8": "target",
+        "dflash-b8": "target", "dflash-b16": "target", **{f"ddtree-n{n}": "target" for n in (8, 16, 32, 64, 128)}, "ssd-f1": "target", "ssd-f3": "target", "ssd-f8": "target",
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

@@ -1,0 +1,154 @@
+"""Lesson 08: DDTree. Verify a whole tree of drafts, picked from one DFlash pass, in one target forward.
+
+Run: python lessons/08_ddtree.py [--quick]
+Read next: tinydiff/ddtree.py (build, compile, follow, compact, the loop), tests/test_ddtree.py (the
+proof that the heap picks the best prefixes, the mask is right and the output is the target's).
+
+Lesson 07's drafter fills a block in one forward and the target checks ONE path: the drafter's
+favourite token at every depth. But that forward gave a whole distribution per depth. DDTree
+("Accelerating Speculative Decoding with Block Diffusion Draft Trees", 2026) spends a budget of N
+nodes on the likeliest continuations under those distributions, lays them out as a tree and checks
+them all in one target forward, with a mask that lets each node see only its own ancestors. When the
+drafter's favourite is wrong but its second guess is right, the tree still gets there.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+
+from tinydiff.ar import ar_generate  # noqa: E402
+from tinydiff.checkpoint import load_checkpoint, load_model  # noqa: E402
+from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree  # noqa: E402
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, draft_block, drafter_from  # noqa: E402
+from tinydiff.dflash_decode import dflash_generate  # noqa: E402
+from tinydiff.model import ModelConfig, Transformer  # noqa: E402
+from tinydiff.speculative import next_token_probs  # noqa: E402
+from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true", help="a tiny random target, fewer tokens")
+parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="an AR checkpoint, used when present")
+parser.add_argument("--drafter", default="out/dflash-tiny/ckpt.pt", help="a trained drafter, used when present")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+torch.manual_seed(args.seed)
+torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
+tok = Tokenizer()
+show = lambda t: repr(tok.decode([int(t)]))  # noqa: E731
+
+if not args.quick and Path(args.target).exists():
+    target, _ = load_model(args.target, kinds=("ar",))
+    print(f"target: {args.target}")
+else:  # lesson 07's tiny random target, whose blocks matter
+    target = Transformer(ModelConfig(context=128, n_layer=4, n_head=2, d_model=64, d_ff=192)).eval()
+    with torch.no_grad():
+        for name, w in target.named_parameters():
+            if w.dim() == 2:
+                w.normal_(0, 0.3 if name == "embed.weight" else 0.5)
+    print("target: a tiny random Transformer (train out/ar-tiny for real stories)")
+trained = not args.quick and Path(args.drafter).exists()
+if trained:
+    drafter = drafter_from(load_checkpoint(args.drafter), target, args.drafter)
+    print(f"drafter: {args.drafter}")
+else:
+    drafter = DFlashDrafter(DFlashConfig.for_target(target.config, n_layer=1, block_size=8), target).eval()
+    print("drafter: untrained (train one with lesson 07's command to see real trees)")
+B, D, BUDGET = drafter.config.block_size, 4, 8  # the lesson's tree: depths 1..4, 8 nodes
+
+prompt = [EOT] + tok.encode("Once upon a time, there was a")
+seq = prompt
+with torch.no_grad():
+    greedy = ar_generate(target, seq, D + 1, temperature=0, stop_token=None)[0]  # what the target will say
+    print(f"\n1. The drafter's one forward after {tok.decode(seq[1:])!r} gives a distribution per depth.")
+    if trained:
+        cache = drafter.new_cache()
+        _, hidden = target(torch.tensor([seq[:-1]]), hidden_layers=drafter.config.feature_layers)
+        draft_logits = draft_block(drafter, cache, seq[-1], hidden)[:D]  # (D, V)
+        print("   Here: the trained drafter's logits for depths 1..4.")
+    else:  # an untrained drafter's guesses are flat; stand in for a good one that is wrong once
+        rows, s = [], list(seq)
+        for t in greedy[:D]:
+            rows.append(target(torch.tensor([s]))[0, -1])  # the target's own logits along its greedy path
+            s.append(t)
+        draft_logits = torch.stack(rows)  # (D, V)
+        draft_logits[torch.arange(D), greedy[:D]] += 5.0  # confident: most of its mass on the target's pick
+        second = int(draft_logits[1].topk(2).indices[1])
+        draft_logits[1, second] = draft_logits[1].max() + 0.5  # depth 2: its second guess is its favourite
+        print("   Untrained drafters are flat, so here a stand-in for a good one: the target's own distributions")
+        print("   along its greedy path, made confident (+5 on the target's pick), except that at depth 2 the")
+        print(f"   drafter prefers {show(second)} to the target's {show(greedy[1])}.")
+    favourites = next_token_probs(draft_logits, 0, None, None).argmax(-1).tolist()
+    print(f"   DFlash would verify its favourites only: {[tok.decode([t]) for t in favourites]}")
+
+    tree = build_tree(draft_logits, BUDGET)
+    print(f"\n2. The best-first heap (budget {BUDGET}): a prefix scores the sum of its per-depth log-probs. Start from")
+    print("   (root, depth 1, rank 0); each pop adds a node and pushes its next sibling (rank + 1) and its first")
+    print("   child (depth + 1, rank 0), both scoring no more than it: nodes pop best first.")
+    print("   pop  depth  parent  token          score")
+    for i in range(1, tree.size + 1):
+        print(f"   {i:>3}  {int(tree.depths[i]):>5}  {int(tree.parents[i]):>6}  {show(tree.tokens[i]):<12} "
+              f"{float(tree.scores[i]):7.2f}")
+    print("   As a tree (node number, token; root = the newest committed token):")
+    print(f"   0 {show(seq[-1])}")
+
+    def draw(node, indent):
+        for c in [i for i in range(1, tree.size + 1) if int(tree.parents[i]) == node]:
+            print(f"   {'   ' * indent}└ {c} {show(tree.tokens[c])}")
+            draw(c, indent + 1)
+    draw(0, 1)
+
+    start = len(seq) - 1  # the target's cache holds seq[:-1]; the root sits at position start
+    ids, pos, mask = compile_tree(tree, start, seq[-1])
+    print(f"\n3. One target forward reads [root, {tree.size} nodes] at position ids start + depth: {pos.tolist()}.")
+    print(f"   Its mask (# = may attend): {start} cached prefix columns, then the tree. Row i = row parent(i) + i:")
+    print("   a node sees the prefix, its ancestors and itself, never a sibling or a cousin.")
+    for i, row in enumerate(mask.tolist()):
+        marks = "".join("#" if m else "." for m in row)
+        print(f"   node {i:>2}  {marks[:start]} | {marks[start:]}")
+
+    cache = target.new_cache()
+    target(torch.tensor([seq[:-1]]), cache=cache)
+    logits = target(ids, pos=pos, mask=mask, cache=cache)[0]  # (N+1, V): the target at every node at once
+    picks = next_token_probs(logits, 0, None, None).argmax(-1)  # greedy: the target's pick at each node
+    path, bonus = follow_tree(tree, picks)
+    print("\n4. Verify: walk from the root while a child carries the target's own pick at the current node.")
+    node = 0
+    for child in path + [None]:
+        where = "root" if node == 0 else f"node {node}"
+        step = f"child {child} has it: step in" if child else "no child has it: the bonus"
+        print(f"   at {where:<7} the target picks {show(picks[node]):<12} {step}")
+        node = child
+    tokens = tree.tokens[path].tolist() + [bonus]
+    print(f"   {len(path)} accepted + the bonus = {len(tokens)} tokens {[tok.decode([t]) for t in tokens]} "
+          f"from one target forward")
+    n_chain = next((k for k in range(D) if favourites[k] != greedy[k]), D)  # DFlash: accept while draft == pick
+    print(f"   DFlash's single path would have committed {n_chain + 1} (its favourites until the first miss, + bonus).")
+    print(f"   Same tokens as the target's greedy decoding: {tokens == greedy[:len(tokens)]}.")
+    before = cache.length
+    compact_cache(cache, start, path)
+    print(f"   Compaction: the cache held {before} rows (prefix + root + {tree.size} nodes); KVCache.keep moves the")
+    print(f"   root's and the path's rows into place: {cache.length} rows = the committed tokens but the bonus.")
+    print("   The drafter's context grows by the features of the same rows (the verify forward's hidden states).\n")
+
+    n_new = 48 if args.quick else 120
+    ar_out, ar_stats = ar_generate(target, prompt, n_new, temperature=0, stop_token=None)
+    print(f"5. The loop, greedy, {n_new} tokens after {tok.decode(prompt[1:])!r}:")
+    print(f"   ar          : {ar_stats['tokens_per_s']:6.0f} tokens/s")
+    out, st = dflash_generate(target, drafter, prompt, n_new, temperature=0, stop_token=None)
+    print(f"   dflash B={B:<3}: {st['tokens_per_s']:6.0f} tokens/s, tau {st['tau']:.2f}, same as ar: {out == ar_out}")
+    for budget in (4, 16, 64):
+        out, st = ddtree_generate(target, drafter, prompt, n_new, budget=budget, temperature=0, stop_token=None)
+        print(f"   ddtree N={budget:<3}: {st['tokens_per_s']:6.0f} tokens/s, tau {st['tau']:.2f}, "
+              f"{st['nodes_per_round']:5.1f} nodes verified per round, same as ar: {out == ar_out}")
+    print("   Same tokens as greedy ar, always (at T > 0 the target's own distribution: it samples at each node")
+    print("   itself and the tree only decides how far it gets). With a trained drafter tau rises with the budget,")
+    print("   but every node is one more row in the verify forward: a GPU decoding one sequence has room to spare")
+    print("   for a few dozen rows, this CPU has little, so the budget that maximises tokens/s sits lower here.")
+    print("   Untrained, the drafter is pure overhead: tau ~ 1 and the tree's rows cost time for nothing.")

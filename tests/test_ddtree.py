@@ -1,0 +1,492 @@
+"""Spec: DDTree verifies the best `budget` prefixes of one DFlash pass in one target forward, losslessly.
+
+The heap returns exactly the highest-scoring prefixes (against brute-force enumeration), as a tree
+(ancestor-closed, siblings distinct, min(budget, prefixes) nodes); the visibility matrix is exactly
+the reflexive-transitive closure of the parent relation and every node sees the whole prefix; the
+target's logits and hidden states at every tree node equal a plain causal forward on prefix + path;
+compaction leaves the caches equal to a recomputation of the committed sequence; greedy output is
+the target's greedy decoding token for token; sampled output follows the target's exact joint
+(chi-square); tau never exceeds B, and a tree holding the target's path reaches tau == B where a
+single path (DFlash) cannot; bad input is a clear error.
+"""
+import copy
+import itertools
+
+import pytest
+import torch
+from test_dflash import DIST_CONFIG, Oracle, TableTarget, random_drafter
+from test_speculative import (DELTA, NEW, POWER, PROMPT, V, Z_ALPHA, TokenCache, chi2_quantile, chi_square_bins,
+                              exact_joint, noncentral_chi2_sf, random_model)
+
+from tinydiff.ar import ar_generate
+from tinydiff.ddtree import Tree, build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree
+from tinydiff.dflash_decode import dflash_generate
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig
+from tinydiff.tokenizer import EOT, MASK
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prefix_of(tree: Tree, node: int) -> tuple:
+    return tuple(int(tree.tokens[i]) for i in tree.path(node))
+
+
+def children(tree: Tree, node: int) -> list[int]:
+    return [i for i in range(1, tree.size + 1) if int(tree.parents[i]) == node]
+
+
+# ---------------------------------------------------------------- the tree: heap, shape, visibility
+
+def test_heap_returns_exactly_the_best_prefixes_as_a_tree():
+    """Against brute force: every prefix of length 1..D over V tokens, scored by its per-depth
+    float32 log-softmax values summed in order, sorted; the tree's prefixes are exactly the first
+    min(budget, sum V^d) of them (random logits: no ties), each node's score is its prefix's."""
+    g = torch.Generator().manual_seed(0)
+    shapes_seen = {"deep": 0, "branching": 0}
+    for V_, D, budget in itertools.product((2, 3, 5), (1, 2, 4), (1, 2, 7, 20, 400)):
+        logits = torch.randn(D, V_, generator=g) * 2
+        logp = torch.log_softmax(logits.float(), -1).tolist()
+        everything = {}
+        for d in range(1, D + 1):
+            for prefix in itertools.product(range(V_), repeat=d):
+                score = 0.0
+                for depth, token in enumerate(prefix):
+                    score += logp[depth][token]
+                everything[prefix] = score
+        ranked = sorted(everything, key=everything.get, reverse=True)
+        n = min(budget, len(everything))
+        assert len(set(everything[p] for p in ranked[:n + 1])) == min(n + 1, len(ranked))  # no ties near the cut
+
+        tree = build_tree(logits, budget)
+        assert tree.size == n
+        prefixes = [prefix_of(tree, i) for i in range(1, n + 1)]
+        assert set(prefixes) == set(ranked[:n])
+        assert [float(tree.scores[i]) for i in range(1, n + 1)] == [everything[p] for p in prefixes]
+        assert int(tree.parents[0]) == -1 and int(tree.depths[0]) == 0 and float(tree.scores[0]) == 0
+        for i in range(1, n + 1):  # ancestor-closed: the parent holds the prefix minus its last token
+            parent = int(tree.parents[i])
+            assert 0 <= parent < i and int(tree.depths[i]) == int(tree.depths[parent]) + 1
+            assert prefixes[i - 1][:-1] == (prefix_of(tree, parent) if parent else ())
+        for node in range(n + 1):  # a node's children carry distinct tokens
+            tokens = [int(tree.tokens[c]) for c in children(tree, node)]
+            assert len(tokens) == len(set(tokens))
+            shapes_seen["branching"] += len(tokens) >= 2 and node > 0
+        shapes_seen["deep"] += int(tree.depths.max()) >= 3
+    assert min(shapes_seen.values()) > 0, shapes_seen
+
+
+def test_visibility_is_the_ancestor_closure_and_the_mask_shows_the_whole_prefix():
+    g = torch.Generator().manual_seed(1)
+    for D, budget in ((3, 12), (5, 30), (1, 4)):
+        tree = build_tree(torch.randn(D, 4, generator=g) * 2, budget)
+        n = tree.size + 1
+        step = torch.zeros(n, n, dtype=torch.bool)  # step[i, j]: j is i's parent
+        for i in range(1, n):
+            step[i, int(tree.parents[i])] = True
+        closure = torch.eye(n, dtype=torch.bool)  # reflexive ...
+        for _ in range(n):  # ... and transitive: add one more generation up each time
+            closure = closure | (closure.int() @ step.int()).bool()
+        assert torch.equal(tree.visibility, closure)
+        for i, j in itertools.permutations(range(1, n), 2):
+            if tree.parents[i] == tree.parents[j]:
+                assert not tree.visibility[i, j]  # siblings never see each other
+        for start in (0, 7):
+            ids, pos, mask = compile_tree(tree, start, 42)
+            assert ids.shape == (1, n) and int(ids[0, 0]) == 42 and torch.equal(ids[0, 1:], tree.tokens[1:])
+            assert torch.equal(pos, start + tree.depths)
+            assert mask.shape == (n, start + n) and mask[:, :start].all()
+            assert torch.equal(mask[:, start:], tree.visibility)
+
+
+def test_build_tree_edge_cases():
+    logits = torch.randn(2, MASK + 1, generator=torch.Generator().manual_seed(2))
+    logits[:, MASK] = 100.0  # the drafter loves MASK: it must still never be drafted
+    logits[:, 7] = float("-inf")  # probability 0: never a node
+    tree = build_tree(logits, 50)
+    assert tree.size == 50 and MASK not in tree.tokens.tolist() and 7 not in tree.tokens.tolist()
+    assert build_tree(torch.randn(2, 3), 100).size == 3 + 9  # every prefix
+    tiny = torch.full((2, 3), float("-inf"))
+    tiny[:, 1] = 0.0  # one possible token per depth: a chain of 2, however large the budget
+    assert build_tree(tiny, 10).tokens.tolist() == [-1, 1, 1]
+    root = build_tree(torch.empty(0, 5), 3)
+    assert root.size == 0 and root.visibility.tolist() == [[True]]
+    for budget in (0, 2.5, True):
+        with pytest.raises(UserError, match="budget"):
+            build_tree(torch.randn(2, 3), budget)
+    with pytest.raises(UserError, match="shape"):
+        build_tree(torch.randn(3), 4)
+
+
+def test_follow_tree_walks_while_a_child_carries_the_sample():
+    logits = torch.tensor([[3.0, 2.0, 0.0], [3.0, 1.0, 0.0]])
+    tree = build_tree(logits, 4)  # heap order: (0,) -0.35, (0, 0) -0.52, (1,) -1.35, (1, 0) -1.52
+    assert [prefix_of(tree, i) for i in range(1, 5)] == [(0,), (0, 0), (1,), (1, 0)]
+    cases = {  # target samples at [root, 1:(0,), 2:(0, 0), 3:(1,), 4:(1, 0)] -> (path, bonus)
+        (2, 9, 9, 9, 9): ([], 2), (0, 2, 9, 9, 9): ([1], 2), (0, 1, 9, 9, 9): ([1], 1),
+        (0, 0, 5, 9, 9): ([1, 2], 5), (1, 9, 9, 0, 9): ([3, 4], 9), (1, 9, 9, 1, 9): ([3], 1)}
+    for samples, expected in cases.items():
+        assert follow_tree(tree, torch.tensor(samples)) == expected
+        one_hot = torch.nn.functional.one_hot(torch.tensor(samples), 10).float()
+        assert follow_tree(tree, one_hot) == expected == follow_tree(tree, lambda i: one_hot[i])
+    with pytest.raises(UserError, match="root and all 4 nodes"):
+        follow_tree(tree, torch.tensor([0, 0]))
+
+
+# ---------------------------------------------------------------- the verify forward and the cache
+
+@pytest.fixture(scope="module")
+def models():
+    """GPT-2's full vocabulary (and MASK). Five target layers: two feature layers, [1, 2]."""
+    target = random_model(ModelConfig(context=40, n_layer=5, n_head=2, d_model=32, d_ff=64), seed=0)
+    return target, random_drafter(target, seed=1, n_layer=2, block_size=8, n_features=2)
+
+
+def verify_tree(target, seq, tree, layers):
+    """One tree forward after a cache holding seq[:-1]: (logits (N+1, V), hidden, cache)."""
+    cache = target.new_cache()
+    if len(seq) > 1:
+        target(torch.tensor([seq[:-1]]), cache=cache, causal=True)
+    ids, pos, mask = compile_tree(tree, len(seq) - 1, seq[-1])
+    logits, hidden = target(ids, pos=pos, mask=mask, cache=cache, hidden_layers=layers)
+    return logits[0], [h[0] for h in hidden], cache
+
+
+@torch.no_grad()
+def test_tree_logits_equal_a_causal_forward_on_each_path(models):
+    """Catches mask, position and RoPE errors at once: every node's logits and hidden states (the
+    drafter's next context features) are those of prefix + its path read causally."""
+    target, drafter = models
+    layers = drafter.config.feature_layers
+    g = torch.Generator().manual_seed(3)
+    for seq in ([EOT], [EOT, 11, 12, 13, 14, 15]):
+        tree = build_tree(torch.randn(5, 6, generator=g) * 2, 20)  # tokens 0..5, several branches
+        assert int(tree.depths.max()) >= 3 and any(len(children(tree, i)) > 1 for i in range(1, tree.size + 1))
+        logits, hidden, _ = verify_tree(target, seq, tree, layers)
+        for i in range(tree.size + 1):
+            full = torch.tensor([seq + list(prefix_of(tree, i))])
+            ref_logits, ref_hidden = target(full, causal=True, hidden_layers=layers)
+            for ours, ref in [(logits[i], ref_logits[0, -1])] + [(h[i], r[0, -1]) for h, r in zip(hidden, ref_hidden)]:
+                assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max(), (seq, i)
+
+
+@torch.no_grad()
+def test_compaction_leaves_the_cache_of_the_committed_sequence(models):
+    """After compact_cache(path) the target cache equals a fresh causal forward over seq + the path's
+    tokens, for every node's path (the root alone included)."""
+    target, drafter = models
+    g = torch.Generator().manual_seed(4)
+    seq = [EOT, 21, 22, 23]
+    tree = build_tree(torch.randn(4, 5, generator=g) * 2, 12)
+    for node in range(tree.size + 1):
+        _, _, cache = verify_tree(target, seq, tree, drafter.config.feature_layers)
+        path = tree.path(node)
+        compact_cache(cache, len(seq) - 1, path)
+        committed = seq + list(prefix_of(tree, node))
+        assert cache.length == len(committed)
+        fresh = target.new_cache()
+        target(torch.tensor([committed]), cache=fresh, causal=True)
+        for a, b in zip(cache.k + cache.v, fresh.k + fresh.v):
+            a, b = a[:, :, :cache.length], b[:, :, :cache.length]
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+# ---------------------------------------------------------------- the loop
+
+class TreeOracle(Oracle):
+    """test_dflash's Oracle (slot k: the target's logits after its own greedy continuation), made
+    sure of itself for trees: the target's pick gets +SHARP, so the greedy path outscores every other
+    prefix by ~SHARP nats. Where wrong(position), a decoy gets the pick's logit + 1 instead: the target's
+    pick is rank 1 there, so a single path (DFlash) stops at the decoy and a tree that keeps both
+    branches (2^decoys paths down to depth B-1) holds the target's whole path."""
+    SHARP = 20.0
+
+    def hook(self, module, args, output):
+        out = super().hook(module, args, output)  # the plain oracle, decoys at +10 (replaced here)
+        start = len(self.seq) - 1
+        rows, tokens = self.chain(args[0].shape[1] - 1)
+        out[0, 1:] = rows
+        for k, token in enumerate(tokens, 1):
+            out[0, k, token] += self.SHARP
+            if self.wrong(start + k):
+                out[0, k, (token + 1) % min(out.shape[-1], MASK)] = out[0, k, token] + 1
+        return out
+
+
+def run(target, drafter, prompt, n, oracle=None, on_round=None, **kwargs):
+    """ddtree_generate with every round's info recorded (caches left out), passed on to the oracle and on_round."""
+    rounds = []
+
+    def record(info):
+        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
+        for callback in (oracle and oracle.on_round, on_round):
+            if callback:
+                callback(info)
+    if oracle is not None:
+        oracle.reset(prompt)
+    out, stats = ddtree_generate(target, drafter, prompt, n, on_round=record, **kwargs)
+    return out, stats, rounds
+
+
+def check_counts(out, stats, rounds, B, budget, prompt_length):
+    """The stats agree with each other and with the rounds; each round's path is a chain of the tree
+    from the root, its tokens are what the round committed; no round commits more than B tokens."""
+    assert len(stats["accepted"]) == B and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
+    assert [t for r in rounds for t in r["tokens"]] == out and stats["new_tokens"] == len(out)
+    assert stats["target_forwards"] == stats["rounds"] + (prompt_length > 1)
+    assert stats["draft_forwards"] == sum(r["tree"].size > 0 for r in rounds)
+    assert stats["proposed"] == sum(r["tree"].size for r in rounds)
+    assert stats["nodes_per_round"] == stats["proposed"] / stats["rounds"]
+    accepted = sum(r["accepted"] for r in rounds)
+    assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
+    if stats["proposed"]:
+        assert stats["alpha"] == accepted / stats["proposed"]
+    assert stats["tau"] == len(out) / stats["rounds"] and 1 <= stats["tau"] <= B
+    for r in rounds:
+        tree, path = r["tree"], r["path"]
+        assert tree.size <= budget and int(tree.depths.max()) <= B - 1 and r["accepted"] == len(path)
+        assert [int(tree.parents[i]) for i in path] == [0, *path][:len(path)]
+        assert r["tokens"][:len(path)] == tree.tokens[path].tolist()[:len(r["tokens"])]
+        assert 1 <= len(r["tokens"]) <= len(path) + 1 <= B
+
+
+def branch_steps(rounds):
+    """Accepted nodes that are not their parent's first child: only a tree could have accepted them."""
+    return sum(min(children(r["tree"], int(r["tree"].parents[i]))) != i for r in rounds for i in r["path"])
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A 64-token target: a random drafter's trees then often hold the target's picks, on branches too."""
+    target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=4, n_head=2, d_model=32, d_ff=64), seed=5)
+    return target, random_drafter(target, seed=6, block_size=8, n_features=1, std=0.3)
+
+
+@torch.no_grad()
+def test_greedy_output_equals_the_targets_greedy_decoding(models, small_vocab):
+    """Token for token, for budgets 1 (a single depth-1 node), 3 and 6 (too small to hold every branch)
+    and 32, blocks of 4 and 8, runs with and without a stop token emitted mid-way, and two drafters: the
+    decoy oracle on GPT-2's vocabulary and a random drafter on 64 ids (trees that hit by chance)."""
+    target, _ = models
+    oracle = TreeOracle(random_drafter(target, seed=2, block_size=8, n_features=2), target,
+                        wrong=lambda position: position % 3 == 0)
+    pairs = {"oracle": (target, oracle.drafter, oracle), "random, 64 ids": (*small_vocab, None)}
+    seen = {"rejected": 0, "partial": 0, "full": 0, "branch": 0, "dropped_after_stop": 0}
+    for seed, (B, budget), name, stop in itertools.product(range(2), ((4, 3), (8, 1), (8, 6), (8, 32)), pairs,
+                                                           ("none", "mid")):
+        model, drafter, orc = pairs[name]
+        g = torch.Generator().manual_seed(seed)
+        prompt = [1 + seed] + torch.randint(0, model.config.vocab_size - 1, (3 * seed,), generator=g).tolist()
+        full, _ = ar_generate(model, prompt, 24, temperature=0, stop_token=None)
+        stop_token = None if stop == "none" else full[13]
+        expected, _ = ar_generate(model, prompt, 24, temperature=0, stop_token=stop_token)
+        out, stats, rounds = run(model, drafter, prompt, 24, orc, block_size=B, budget=budget, temperature=0,
+                                 stop_token=stop_token)
+        assert out == expected, (seed, B, budget, name, stop)
+        check_counts(out, stats, rounds, B, budget, len(prompt))
+        seen["rejected"] += stats["accepted"][0]
+        seen["partial"] += sum(0 < r["accepted"] < int(r["tree"].depths.max()) for r in rounds)
+        seen["full"] += sum(0 < r["accepted"] == int(r["tree"].depths.max()) for r in rounds)
+        seen["branch"] += branch_steps(rounds)
+        seen["dropped_after_stop"] += len(rounds[-1]["tokens"]) < rounds[-1]["accepted"] + 1
+    assert min(seen.values()) > 0, seen  # the cases must include every kind of round, or prove nothing
+
+
+@torch.no_grad()
+def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models):
+    """With a decoy ahead of the target's pick every third position, DFlash's single path stops at
+    each decoy; a tree with room for both branches at every decoy accepts all B-1 depths."""
+    target, _ = models
+    for B, prompt in itertools.product((4, 8), ([EOT], [EOT, 7, 8, 9])):
+        oracle = TreeOracle(random_drafter(target, seed=3, block_size=8, n_features=2), target,
+                            wrong=lambda position: position % 3 == 0)
+        n = 3 * B  # three full rounds
+        expected = ar_generate(target, prompt, n, temperature=0, stop_token=None)[0]
+        out, stats, rounds = run(target, oracle.drafter, prompt, n, oracle, block_size=B, budget=32, temperature=0,
+                                 stop_token=None)
+        assert out == expected
+        assert stats["accepted"] == [0] * (B - 1) + [3] and stats["tau"] == B
+        assert stats["draft_forwards"] == 3 and stats["target_forwards"] == 3 + (len(prompt) > 1)
+        assert branch_steps(rounds) > 0
+        check_counts(out, stats, rounds, B, 32, len(prompt))
+        oracle.reset(prompt)
+        single, dflash = dflash_generate(target, oracle.drafter, prompt, n, B, temperature=0, stop_token=None,
+                                         on_round=oracle.on_round)
+        assert single == expected and dflash["tau"] < B
+
+
+@torch.no_grad()
+def test_caches_hold_exactly_the_committed_context_after_every_round(models, small_vocab):
+    """After every round both caches hold the committed tokens but the newest: the target's K/V and the
+    drafter's context K/V equal a recomputation from scratch over seq[:-1]."""
+    checked = {"full": 0, "partial": 0, "branch": 0, "stopped": 0}
+    current = {}
+
+    def check(info):
+        target, drafter = current["models"]
+        seq, tc, dc = info["seq"], info["target_cache"], info["draft_cache"]
+        assert tc.length == dc.length == len(seq) - 1
+        fresh_t, fresh_d = target.new_cache(), drafter.new_cache()
+        _, hidden = target(torch.tensor([seq[:-1]]), cache=fresh_t, causal=True,
+                           hidden_layers=drafter.config.feature_layers)
+        drafter.extend(fresh_d, hidden)
+        for ours, theirs in ((tc, fresh_t), (dc, fresh_d)):
+            for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
+                a, b = a[:, :, :ours.length], b[:, :, :ours.length]
+                assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # float rounding only
+        full = info["tree"].size > 0 and info["accepted"] == int(info["tree"].depths.max())
+        checked["full" if full else "partial"] += 1
+
+    target, _ = models
+    oracle = TreeOracle(random_drafter(target, seed=3, block_size=8, n_features=2), target,
+                        wrong=lambda position: position % 4 == 0)
+    cases = [(target, oracle.drafter, oracle, 0, [EOT, 3, 4, 5], 12), (*small_vocab, None, 1.0, [EOT % 64], 32)]
+    for model, drafter, orc, temperature, prompt, budget in cases:
+        current["models"] = model, drafter
+        generator = torch.Generator().manual_seed(0)
+        stop = run(model, drafter, prompt, 20, orc, temperature=temperature, budget=budget, generator=generator,
+                   stop_token=None)[0][9]
+        generator.manual_seed(0)
+        out, _, rounds = run(model, drafter, prompt, 20, orc, temperature=temperature, budget=budget,
+                             generator=generator, stop_token=stop, on_round=check)
+        checked["stopped"] += out[-1] == stop and len(out) < 20
+        checked["branch"] += branch_steps(rounds)
+    assert min(checked.values()) > 0, checked
+
+
+@torch.no_grad()
+def test_mask_never_comes_out_and_the_tree_fits_the_context(models):
+    target, drafter = models
+
+    def favour_mask(module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        logits[..., MASK] += 100.0
+    mask_target, mask_drafter = copy.deepcopy(target), copy.deepcopy(drafter)
+    object.__setattr__(mask_drafter, "target", mask_target)
+    for model in (mask_target, mask_drafter):
+        model.register_forward_hook(favour_mask)
+    for temperature in (0, 1.0):
+        out, _, rounds = run(mask_target, mask_drafter, [EOT, 3], 12, temperature=temperature, stop_token=None,
+                             generator=torch.Generator().manual_seed(0))
+        assert len(out) == 12 and MASK not in out and all(MASK not in r["tree"].tokens.tolist() for r in rounds)
+    prompt = list(range(1, 31))  # 30 of 40 positions: a 32-node tree must shrink to fit the cache
+    out, _, rounds = run(target, drafter, prompt, None, budget=32, temperature=0, stop_token=None)
+    assert out == ar_generate(target, prompt, None, temperature=0, stop_token=None)[0] and len(out) == 10
+    assert all(len(r["seq"]) - len(r["tokens"]) + r["tree"].size <= 40 for r in rounds)
+
+
+def test_bad_input_is_a_clear_error(models):
+    target, drafter = models
+    for budget in (0, -3, 2.5, None):
+        with pytest.raises(UserError, match="budget"):
+            ddtree_generate(target, drafter, [1, 2], 5, budget=budget)
+    for B in (1, 9, 4.0):
+        with pytest.raises(UserError, match="block size"):
+            ddtree_generate(target, drafter, [1, 2], 5, block_size=B)
+    with pytest.raises(UserError, match="DFlashDrafter"):
+        ddtree_generate(target, target, [1, 2], 5)
+    with pytest.raises(UserError, match="empty"):
+        ddtree_generate(target, drafter, [], 5)
+    with pytest.raises(UserError, match="MASK"):
+        ddtree_generate(target, drafter, [EOT, MASK], 5)
+    with pytest.raises(UserError, match="temperature"):
+        ddtree_generate(target, drafter, [1, 2], 5, temperature=-1)
+    with pytest.raises(UserError, match="max new tokens"):
+        ddtree_generate(target, drafter, [1, 2], 39)
+
+
+# ---------------------------------------------------------------- distribution at temperature > 0
+# test_dflash's design: V = 6, 3 new tokens after a 2-token prompt, chi-square against the enumerated
+# joint at significance 1e-3, power asserted from the joint. The target is test_dflash's (two layers,
+# small embeddings: a flat joint), read through a table that also answers tree-masked forwards.
+
+class TreeTokenCache(TokenCache):
+    def keep(self, rows):
+        self.tokens = [self.tokens[r] for r in rows]
+        self.length = len(self.tokens)
+
+
+class TreeTableTarget(TableTarget):
+    """TableTarget for tree forwards: row i answers as the Transformer does for the tokens it may see
+    (the cached ones and the new ones its mask allows, in order), and its position id must be the
+    last of those; the cache keeps rows like KVCache.keep. The real mask, positions and cache are
+    proven by the tests above; this proves the walk, the sampling and the bookkeeping."""
+
+    def new_cache(self, batch_size=1):
+        return TreeTokenCache()
+
+    def forward(self, x, pos=None, mask=None, cache=None, causal=True, hidden_layers=None):
+        assert hidden_layers == self.layers
+        start, T = cache.length, x.shape[1]
+        if mask is None:
+            assert causal and pos is None
+            mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
+        cache.tokens += x[0].tolist()
+        cache.length = len(cache.tokens)
+        rows = []
+        for i in range(T):
+            seen = [t for t, visible in zip(cache.tokens, mask[i].tolist()) if visible]
+            assert mask[i, start + i] and (pos is None or int(pos[i]) == len(seen) - 1)
+            rows.append(self.table[tuple(seen)])
+        hidden = [torch.stack([r[1][j] for r in rows])[None] for j in range(len(self.layers))]
+        return torch.stack([r[0] for r in rows])[None], hidden
+
+
+DIST_CASES = {  # oracle drafter (else random), temperature, top_k, top_p, budget, samples
+    "random drafter, budget 4": (False, 1.0, None, None, 4, 5_500),
+    "oracle drafter, budget 3, T 0.7, top-p 0.9": (True, 0.7, None, 0.9, 3, 7_000),
+}
+
+
+@pytest.mark.parametrize("case", DIST_CASES)
+@torch.no_grad()
+def test_sampled_tokens_follow_the_exact_target_distribution(case):
+    """Chi-square goodness of fit of seeded generations against the enumerated joint.
+
+    Significance 1e-3 (a correct implementation fails with probability 1e-3 per case if seeds or
+    torch's random streams change). Power, as in test_speculative: one continuation off by DELTA =
+    2 percentage points, the rest absorbing it in proportion, is caught with probability >= POWER
+    = 0.9; the power is computed from the exact joint and asserted, so a weaker test fails loudly
+    (here 40-43 bins, the heaviest 0.04-0.05: 5,500 and 7,000 samples give power 0.91 and 0.93).
+    Each case must also see rejections at the root, full-depth acceptances and acceptances on a
+    branch (a node that is not its parent's first child), or it proves nothing about them.
+    """
+    use_oracle, temperature, top_k, top_p, budget, n = DIST_CASES[case]
+    model = random_model(DIST_CONFIG, seed=1, embed_std=0.1)
+    drafter = random_drafter(model, seed=5, block_size=4)
+    oracle = Oracle(drafter, model) if use_oracle else None
+    # Both drafters are nearly uniform over these 6 ids (the target's joint is flat), so their trees
+    # would be all siblings at depth 1: sharpen them (logits x 4) so that trees grow deep and branch.
+    drafter.register_forward_hook(lambda module, args, logits: logits * 4)
+    probs = exact_joint(model, temperature, top_k, top_p)  # (V^NEW,)
+    target = TreeTableTarget(model, drafter.config.feature_layers)
+    counts, hist, rounds = torch.zeros(V ** NEW, dtype=torch.long), [0] * 4, []
+
+    def on_round(info):
+        rounds.append({"tree": info["tree"], "path": info["path"]})
+        if oracle is not None:
+            oracle.on_round(info)
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        if oracle is not None:
+            oracle.reset(PROMPT)
+        out, stats = ddtree_generate(target, drafter, PROMPT, NEW, None, budget, temperature, top_k, top_p,
+                                     generator, stop_token=None, on_round=on_round)
+        hist = [a + b for a, b in zip(hist, stats["accepted"])]
+        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+    assert hist[0] > 0 and hist[NEW - 1] > 0 and branch_steps(rounds) > 0, hist
+    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
+    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
+    df = len(bins_p) - 1
+    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
+    critical = chi2_quantile(df, Z_ALPHA)
+    heaviest = max(bins_p)
+    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
+    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"
