@@ -131,14 +131,13 @@ def load_models(args) -> dict:
 
 
 @torch.no_grad()
-def heldout_nll(models, args, tokenizer) -> dict:
-    """(nats/token, bits/byte) on 16 windows of --data's validation split, per model: exact for
-    the AR model, the ELBO bound (4 noise draws) for the diffusion LM."""
+def heldout_nll(models, args, tokenizer, wanted) -> dict:
+    """(nats/token, bits/byte) on 16 windows of --data's validation split, for each `wanted` model
+    ("target", "mdlm", "moe-token", "moe-block"): exact for the AR model, the ELBO bound (4 noise
+    draws) for the diffusion LMs, the MoE one under each routing."""
     _, val_path = prepare_tokens(args.data)
     out = {}
-    scored_models = [(name, model) for name, model in models.items() if name in ("target", "mdlm")]
-    for routing in ("token", "block"):  # the MoE model scored under each routing
-        scored_models.append((f"moe-{routing}", models["moe"]))
+    scored_models = [(name, models["moe"] if name.startswith("moe-") else models[name]) for name in wanted]
     for name, model in scored_models:
         if name.startswith("moe-"):
             set_routing(model, name[len("moe-"):])
@@ -189,7 +188,7 @@ def main(argv=None):
         print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
               f"{models['drafter'].config.block_size}", file=sys.stderr)
         methods = [m for m in methods if m not in too_big]
-    nll = heldout_nll(models, args, tokenizer) if args.data else {}
+    nll = heldout_nll(models, args, tokenizer, sorted({USES.get(m, "mdlm") for m in methods})) if args.data else {}
     # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
     args.forward_costs = (forward_seconds(models["draft"], prompts[0], args.device),
                           forward_seconds(models["target"], prompts[0], args.device))
