@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# gpu_check.sh [LOGDIR]: the checks that need a CUDA GPU, logged to LOGDIR (default $OUT, else ./gpu_logs).
+#
+#   1. tests/test_kernels.py with the kernels compiled for the GPU (TRITON_INTERPRET=0);
+#   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
+#      paths, and the Triton kernels at other tile sizes;
+#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on untrained tiny models (every method).
+# Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR or
+# ../shared/tiktoken-cache; without them step 3 is skipped). Each step has a time limit, so the
+# whole script ends within 8 minutes; a step that fails or times out is reported and the others
+# still run. Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
+set -u
+cd "$(dirname "$0")/.."
+LOGDIR="${1:-${OUT:-./gpu_logs}}"
+PY="${PYTHON:-python}"
+mkdir -p "$LOGDIR"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+for dir in "${TIKTOKEN_CACHE_DIR:-}" ../shared/tiktoken-cache ./shared/tiktoken-cache; do
+    if [ -n "$dir" ] && [ -d "$dir" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then
+        export TIKTOKEN_CACHE_DIR="$dir"; break
+    fi
+done
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA GPU here: nothing to check (the kernels' CPU tests run under the interpreter in pytest)" \
+        | tee "$LOGDIR/summary.txt"
+    exit 0
+fi
+
+{
+    date -u
+    nvidia-smi 2>&1 || true
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} > "$LOGDIR/env.txt" 2>&1
+
+status=0
+: > "$LOGDIR/summary.txt"
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the outcome
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$LOGDIR/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="TIMED OUT"; status=1
+    elif [ $rc -ne 0 ]; then verdict="FAILED (rc $rc)"; status=1; fi
+    printf '%-14s %-16s %4ds  %s\n' "$name" "$verdict" $((SECONDS - start)) "$LOGDIR/$name.log" | tee -a "$LOGDIR/summary.txt"
+    tail -n 3 "$LOGDIR/$name.log"
+}
+
+TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+# The rows are written as they come (FlexAttention's, slow to compile, last): a timeout keeps them.
+step kernel_bench 230 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
+if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
+    step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json"
+else
+    echo "bench          SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
+        | tee -a "$LOGDIR/summary.txt"
+fi
+echo "logs in $LOGDIR"
+exit $status

@@ -1,0 +1,75 @@
+"""Triton kernels for the hot spots, and the one switch that decides whether they run.
+
+One file per kernel, each with the plain PyTorch function it replaces right beside it (its spec):
+  masked_attention.py  attention of new queries over a KV prefix + themselves, any boolean mask
+  moe_ffn.py           the dMoE expert feed-forward: tokens grouped by expert, one launch per layer
+  sampler_step.py      the diffusion sampler's argmax + confidence over the vocabulary, in chunks
+Each file's public function (`masked_attention`, `moe_ffn`, `sampler_step`) dispatches: the Triton
+kernel when `use_triton(tensor)` says so, the reference otherwise. `bench.py` times them.
+
+When do kernels run? On a CUDA tensor when Triton is installed; on a CPU tensor only under Triton's
+interpreter (TRITON_INTERPRET=1 in the environment at the call), which runs the same kernel code
+with NumPy, slowly, so tests and lessons can check kernels on a laptop. Triton decides between
+compiled and interpreted code when it and the kernel files are *imported*, so TRITON_INTERPRET must
+be set before that (tests/test_kernels.py does it first thing). Library code therefore imports a
+kernel module lazily, inside `if kernels.use_triton(x):`; importing this package imports no Triton.
+Under the interpreter use float32 or float16 (bfloat16 is silently wrong there) and small grids.
+`TINYDIFF_KERNELS=0` in the environment, or `with kernels_enabled(False):`, forces the references
+everywhere (what the agreement tests compare against).
+
+Without Triton (macOS, Windows) the kernel files still import, through the stand-in below, so the
+references work everywhere; the kernels just never run.
+"""
+import importlib.util
+import os
+from contextlib import contextmanager
+
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_enabled = os.environ.get("TINYDIFF_KERNELS", "1") != "0"
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET asks for Triton's CPU interpreter (read now, from the environment)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Run the Triton kernel on tensor x? CUDA: yes (with Triton); CPU: only under the interpreter."""
+    return _enabled and HAVE_TRITON and (x.is_cuda or interpreting())
+
+
+@contextmanager
+def kernels_enabled(flag: bool):
+    """`with kernels_enabled(False):` runs the PyTorch references even where Triton would run."""
+    global _enabled
+    before, _enabled = _enabled, flag
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def check_device(kernel, x: torch.Tensor):
+    """Fail clearly when a kernel compiled for the GPU is handed CPU tensors."""
+    if not x.is_cuda and type(kernel).__name__ != "InterpretedFunction":
+        name = getattr(kernel, "fn", kernel).__name__
+        raise RuntimeError(f"{name} was compiled for the GPU but got CPU tensors: set TRITON_INTERPRET=1 "
+                           "*before* Triton and the tinydiff.kernels modules are imported")
+
+
+class _NoTriton:
+    """Stands in for `triton` and `triton.language` where Triton is not installed: `@triton.jit`
+    leaves the function as it is and `tl.constexpr` annotations evaluate, so a kernel file imports
+    and its reference runs. use_triton() is False there, so no kernel is ever launched."""
+
+    @staticmethod
+    def jit(fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    def __getattr__(self, name):
+        return None
+
+
+no_triton = _NoTriton()
