@@ -120,7 +120,11 @@ def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
 
 
 def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
-    report = bench.main(["--ckpt", str(ckpt), "--mdlm", str(mdlm_ckpt), "--new-tokens", "8", "--prompts", "2",
+    from tinydiff.dmoe import MoETransformer, moe_config
+    moe = MoETransformer(moe_config("draft", context=32, n_experts=8))
+    save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=moe.config, model=moe)
+    report = bench.main(["--ckpt", str(ckpt), "--mdlm", str(mdlm_ckpt), "--moe", str(tmp_path / "moe.pt"),
+                         "--new-tokens", "8", "--prompts", "2",
                          "--data", str(story_file), "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text()) == report and report["device"]
     rows = {r["method"]: r for r in report["rows"]}
