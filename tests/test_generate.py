@@ -136,6 +136,10 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert len(spec["accepted_hist"]) == k + 1
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
     assert report["draft_target_cost_c"] > 0
+    for n in (8, 16, 32, 64, 128):
+        tree = rows[f"ddtree-n{n}"]
+        assert 0 < tree["tau"] <= 16 and 0 < tree["nodes_per_round"] <= n  # tau counts the prefill forward too
+        assert tree["speedup_vs_dflash"] == pytest.approx(tree["tokens_per_s"] / rows["dflash-b16"]["tokens_per_s"])
     for name in ("diffusion", "diffusion-cached"):  # one token per denoising step
         assert rows[name]["target_forwards_per_token"] == 1
     assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1

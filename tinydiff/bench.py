@@ -219,13 +219,18 @@ def main(argv=None):
     print("tau: new tokens per target forward (bonus included); alpha: accepted drafts / proposed")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
+    dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
+    for r in rows:
+        if "nodes_per_round" in r and dflash:
+            r["speedup_vs_dflash"] = r["tokens_per_s"] / dflash
     for r in rows:
         if "hit_rate" in r:
             measured = f"{r['tokens_per_s'] / spec4:.2f}x spec-k4 measured, " if spec4 else ""
             print(f"{r['method']}: hit rate {r['hit_rate']:.2f}, {measured}"
                   f"{r['modelled_speedup_vs_spec']:.2f}x modelled with the draft on its own device")
         if "nodes_per_round" in r:
-            print(f"{r['method']}: {r['nodes_per_round']:.1f} tree nodes verified per target forward")
+            versus = f", {r['speedup_vs_dflash']:.2f}x dflash-b16's tokens/s" if "speedup_vs_dflash" in r else ""
+            print(f"{r['method']}: {r['nodes_per_round']:.1f} tree nodes verified per target forward{versus}")
         if "unique_experts_per_block" in r:
             print(f"{r['method']}: {r['unique_experts_per_block']:.1f} unique experts per 32-token block, "
                   f"{r['expert_bytes_per_forward'] / 1e6:.2f} MB of expert weights per forward, "
