@@ -47,17 +47,18 @@ def add_noise(x, t, uniforms=None, generator=None):
     return torch.where(masked, torch.full_like(x, MASK), x), masked
 
 
-def subs_logits(logits):
-    """SUBS: the model never predicts MASK (B, T, V)."""
+def subs_logits(logits, inplace: bool = False):
+    """SUBS: the model never predicts MASK (B, T, V). In place when the caller owns the logits:
+    training's (B, T, 50258) float32 logits are the largest tensor in the step, a copy costs time."""
     if logits.shape[-1] > MASK:
-        logits = logits.clone()
+        logits = logits if inplace else logits.clone()
         logits[..., MASK] = float("-inf")
     return logits
 
 
 def masked_token_ce(model, x, noisy, masked):
     """-log p(x_i | noisy) at masked positions, 0 elsewhere: (B, T) float32."""
-    logits = subs_logits(model(noisy, causal=False).float())  # (B, T, V)
+    logits = subs_logits(model(noisy, causal=False).float(), inplace=True)  # (B, T, V)
     ce = F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
     return ce * masked
 
