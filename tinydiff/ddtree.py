@@ -41,6 +41,7 @@ from tinydiff.dflash import draft_block
 from tinydiff.dflash_decode import check_drafter
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.speculative import round_stats
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -235,13 +236,5 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start_time
-    rounds = sum(hist)
-    accepted = sum(n * count for n, count in enumerate(hist))
-    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
-                 "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
-                 "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
-                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds,
-                 "nodes_per_round": proposed / rounds}
+    stats = round_stats(out, hist, proposed, draft_forwards, start_time, device, prefill)
+    return out, {**stats, "nodes_per_round": proposed / stats["rounds"]}

@@ -31,8 +31,8 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.dflash import DFlashDrafter, check_target, draft_block
 from tinydiff.errors import UserError
-from tinydiff.sampling import check_warp_args, sample
-from tinydiff.speculative import next_token_probs, verify
+from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.speculative import round_stats, verify
 from tinydiff.tokenizer import EOT, MASK
 
 RULES = ("match", "reject")
@@ -132,12 +132,4 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    rounds = sum(hist)
-    accepted = sum(n * count for n, count in enumerate(hist))
-    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
-                 "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
-                 "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
-                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
+    return out, round_stats(out, hist, proposed, draft_forwards, start, device, prefill)

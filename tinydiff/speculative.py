@@ -140,15 +140,24 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    if target.embed.weight.device.type == "cuda":
+    return out, round_stats(out, hist, proposed, proposed, start, target.embed.weight.device)
+
+
+def round_stats(out, hist, proposed: int, draft_forwards: int, start: float, device, prefill: int = 0) -> dict:
+    """The stats every draft/verify loop reports (see speculative_generate), from its counts.
+
+    hist[n] counts rounds that accepted n drafts; prefill is 1 when a separate forward read the
+    prompt before the first round. Waits for the GPU so `seconds` is wall time of real work.
+    """
+    if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     rounds = sum(hist)
     accepted = sum(n * count for n, count in enumerate(hist))
-    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
-                 "alpha": accepted / proposed if proposed else None,
-                 "tau": len(out) / rounds, "target_forwards": rounds, "draft_forwards": proposed,
-                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
+    return {"rounds": rounds, "accepted": hist, "proposed": proposed,
+            "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
+            "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
+            "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -60,7 +60,7 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import check_models, draft_round, target_probs, verify
+from tinydiff.speculative import check_models, draft_round, round_stats, target_probs, verify
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -328,18 +328,11 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
                 speculation = found if cached else None
     finally:
         overlap.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    rounds = sum(hist)
-    accepted = sum(i * count for i, count in enumerate(hist))
+    stats = round_stats(out, hist, proposed, jit_total + ahead_total, start, device)
     per_jit_forward = seconds_jit / jit_total if jit_total else draft_s
     avoided = per_jit_forward * (proposed - jit_total)  # proposed drafts not drafted just in time: hits
-    modelled_sd = rounds * target_s + proposed * draft_s
-    return out, {"rounds": rounds, "accepted": hist, "proposed": proposed,
-                 "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
-                 "target_forwards": rounds, "draft_forwards": jit_total + ahead_total,
-                 "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds,
+    modelled_sd = stats["rounds"] * target_s + proposed * draft_s
+    return out, {**stats,
                  "hit_rate": sum(hits) / sum(lookups) if sum(lookups) else None, "hits": hits, "lookups": lookups,
                  "jit_forwards": jit_total, "ahead_forwards": ahead_total, "branches": branches,
                  "seconds_jit": seconds_jit, "seconds_waiting": seconds_waiting, "seconds_jit_avoided": avoided,
