@@ -14,9 +14,10 @@ import itertools
 
 import pytest
 import torch
-from test_dflash import DIST_CONFIG, Oracle, TableTarget, random_drafter
-from test_speculative import (DELTA, NEW, POWER, PROMPT, V, Z_ALPHA, TokenCache, chi2_quantile, chi_square_bins,
-                              exact_joint, noncentral_chi2_sf, random_model)
+from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, Oracle, TreeOracle, TreeTableTarget, assert_caches_equal,
+                           assert_follows_the_joint, check_block_counts, exact_joint, random_drafter, random_model,
+                           recorded_run, sample_counts)
+from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from tinydiff.ar import ar_generate
 from tinydiff.ddtree import Tree, build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree
@@ -24,14 +25,6 @@ from tinydiff.dflash_decode import dflash_generate
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prefix_of(tree: Tree, node: int) -> tuple:
@@ -192,62 +185,23 @@ def test_compaction_leaves_the_cache_of_the_committed_sequence(models):
         assert cache.length == len(committed)
         fresh = target.new_cache()
         target(torch.tensor([committed]), cache=fresh, causal=True)
-        for a, b in zip(cache.k + cache.v, fresh.k + fresh.v):
-            a, b = a[:, :, :cache.length], b[:, :, :cache.length]
-            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        assert_caches_equal((cache, fresh))
 
 
 # ---------------------------------------------------------------- the loop
 
-class TreeOracle(Oracle):
-    """test_dflash's Oracle (slot k: the target's logits after its own greedy continuation), made
-    sure of itself for trees: the target's pick gets +SHARP, so the greedy path outscores every other
-    prefix by ~SHARP nats. Where wrong(position), a decoy gets the pick's logit + 1 instead: the target's
-    pick is rank 1 there, so a single path (DFlash) stops at the decoy and a tree that keeps both
-    branches (2^decoys paths down to depth B-1) holds the target's whole path."""
-    SHARP = 20.0
-
-    def hook(self, module, args, output):
-        out = super().hook(module, args, output)  # the plain oracle, decoys at +10 (replaced here)
-        start = len(self.seq) - 1
-        rows, tokens = self.chain(args[0].shape[1] - 1)
-        out[0, 1:] = rows
-        for k, token in enumerate(tokens, 1):
-            out[0, k, token] += self.SHARP
-            if self.wrong(start + k):
-                out[0, k, (token + 1) % min(out.shape[-1], MASK)] = out[0, k, token] + 1
-        return out
-
-
 def run(target, drafter, prompt, n, oracle=None, on_round=None, **kwargs):
     """ddtree_generate with every round's info recorded (caches left out), passed on to the oracle and on_round."""
-    rounds = []
-
-    def record(info):
-        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
-        for callback in (oracle and oracle.on_round, on_round):
-            if callback:
-                callback(info)
-    if oracle is not None:
-        oracle.reset(prompt)
-    out, stats = ddtree_generate(target, drafter, prompt, n, on_round=record, **kwargs)
-    return out, stats, rounds
+    return recorded_run(ddtree_generate, target, drafter, prompt, n, oracle, on_round, **kwargs)
 
 
 def check_counts(out, stats, rounds, B, budget, prompt_length):
     """The stats agree with each other and with the rounds; each round's path is a chain of the tree
     from the root, its tokens are what the round committed; no round commits more than B tokens."""
-    assert len(stats["accepted"]) == B and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
-    assert [t for r in rounds for t in r["tokens"]] == out and stats["new_tokens"] == len(out)
-    assert stats["target_forwards"] == stats["rounds"] + (prompt_length > 1)
+    check_block_counts(out, stats, rounds, B, prompt_length)
     assert stats["draft_forwards"] == sum(r["tree"].size > 0 for r in rounds)
     assert stats["proposed"] == sum(r["tree"].size for r in rounds)
     assert stats["nodes_per_round"] == stats["proposed"] / stats["rounds"]
-    accepted = sum(r["accepted"] for r in rounds)
-    assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
-    if stats["proposed"]:
-        assert stats["alpha"] == accepted / stats["proposed"]
-    assert stats["tau"] == len(out) / stats["rounds"] and 1 <= stats["tau"] <= B
     for r in rounds:
         tree, path = r["tree"], r["path"]
         assert tree.size <= budget and int(tree.depths.max()) <= B - 1 and r["accepted"] == len(path)
@@ -336,10 +290,7 @@ def test_caches_hold_exactly_the_committed_context_after_every_round(models, sma
         _, hidden = target(torch.tensor([seq[:-1]]), cache=fresh_t, causal=True,
                            hidden_layers=drafter.config.feature_layers)
         drafter.extend(fresh_d, hidden)
-        for ours, theirs in ((tc, fresh_t), (dc, fresh_d)):
-            for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
-                a, b = a[:, :, :ours.length], b[:, :, :ours.length]
-                assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # float rounding only
+        assert_caches_equal((tc, fresh_t), (dc, fresh_d))
         full = info["tree"].size > 0 and info["accepted"] == int(info["tree"].depths.max())
         checked["full" if full else "partial"] += 1
 
@@ -404,39 +355,8 @@ def test_bad_input_is_a_clear_error(models):
 # ---------------------------------------------------------------- distribution at temperature > 0
 # test_dflash's design: V = 6, 3 new tokens after a 2-token prompt, chi-square against the enumerated
 # joint at significance 1e-3, power asserted from the joint. The target is test_dflash's (two layers,
-# small embeddings: a flat joint), read through a table that also answers tree-masked forwards.
-
-class TreeTokenCache(TokenCache):
-    def keep(self, rows):
-        self.tokens = [self.tokens[r] for r in rows]
-        self.length = len(self.tokens)
-
-
-class TreeTableTarget(TableTarget):
-    """TableTarget for tree forwards: row i answers as the Transformer does for the tokens it may see
-    (the cached ones and the new ones its mask allows, in order), and its position id must be the
-    last of those; the cache keeps rows like KVCache.keep. The real mask, positions and cache are
-    proven by the tests above; this proves the walk, the sampling and the bookkeeping."""
-
-    def new_cache(self, batch_size=1):
-        return TreeTokenCache()
-
-    def forward(self, x, pos=None, mask=None, cache=None, causal=True, hidden_layers=None):
-        assert hidden_layers == self.layers
-        start, T = cache.length, x.shape[1]
-        if mask is None:
-            assert causal and pos is None
-            mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
-        cache.tokens += x[0].tolist()
-        cache.length = len(cache.tokens)
-        rows = []
-        for i in range(T):
-            seen = [t for t, visible in zip(cache.tokens, mask[i].tolist()) if visible]
-            assert mask[i, start + i] and (pos is None or int(pos[i]) == len(seen) - 1)
-            rows.append(self.table[tuple(seen)])
-        hidden = [torch.stack([r[1][j] for r in rows])[None] for j in range(len(self.layers))]
-        return torch.stack([r[0] for r in rows])[None], hidden
-
+# small embeddings: a flat joint), read through a table that also answers tree-masked forwards
+# (TreeTableTarget in stats_helpers).
 
 DIST_CASES = {  # oracle drafter (else random), temperature, top_k, top_p, budget, samples
     "random drafter, budget 4": (False, 1.0, None, None, 4, 5_500),
@@ -458,7 +378,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     branch (a node that is not its parent's first child), or it proves nothing about them.
     """
     use_oracle, temperature, top_k, top_p, budget, n = DIST_CASES[case]
-    model = random_model(DIST_CONFIG, seed=1, embed_std=0.1)
+    model = random_model(DFLASH_DIST_CONFIG, seed=1, embed_std=0.1)
     drafter = random_drafter(model, seed=5, block_size=4)
     oracle = Oracle(drafter, model) if use_oracle else None
     # Both drafters are nearly uniform over these 6 ids (the target's joint is flat), so their trees
@@ -466,27 +386,14 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     drafter.register_forward_hook(lambda module, args, logits: logits * 4)
     probs = exact_joint(model, temperature, top_k, top_p)  # (V^NEW,)
     target = TreeTableTarget(model, drafter.config.feature_layers)
-    counts, hist, rounds = torch.zeros(V ** NEW, dtype=torch.long), [0] * 4, []
+    rounds = []
 
     def on_round(info):
         rounds.append({"tree": info["tree"], "path": info["path"]})
         if oracle is not None:
             oracle.on_round(info)
-    generator = torch.Generator().manual_seed(1234)
-    for _ in range(n):
-        if oracle is not None:
-            oracle.reset(PROMPT)
-        out, stats = ddtree_generate(target, drafter, PROMPT, NEW, None, budget, temperature, top_k, top_p,
-                                     generator, stop_token=None, on_round=on_round)
-        hist = [a + b for a, b in zip(hist, stats["accepted"])]
-        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+    counts, hist = sample_counts(lambda generator: ddtree_generate(
+        target, drafter, PROMPT, NEW, None, budget, temperature, top_k, top_p, generator, stop_token=None,
+        on_round=on_round), n, oracle, seed=1234)
     assert hist[0] > 0 and hist[NEW - 1] > 0 and branch_steps(rounds) > 0, hist
-    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
-    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
-    df = len(bins_p) - 1
-    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
-    critical = chi2_quantile(df, Z_ALPHA)
-    heaviest = max(bins_p)
-    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
-    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"
+    assert_follows_the_joint(probs, counts, n)

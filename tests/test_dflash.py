@@ -15,8 +15,10 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn.functional as F
-from test_speculative import (DELTA, NEW, POWER, PROMPT, V, Z_ALPHA, TokenCache, chi2_quantile,
-                              chi_square_bins, exact_joint, noncentral_chi2_sf, random_model)
+from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, Oracle, TableTarget, assert_caches_equal,
+                           assert_follows_the_joint, check_block_counts, exact_joint, random_drafter, random_model,
+                           recorded_run, sample_counts)
+from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from tinydiff.ar import ar_generate
 from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, default_decay, dflash_loss, draft_block,
@@ -24,98 +26,20 @@ from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, default_d
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig
-from tinydiff.speculative import next_token_probs
 from tinydiff.tokenizer import EOT, MASK
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def random_drafter(target, seed, std=0.5, **overrides):
-    """An untrained drafter whose layers matter (default init barely moves the block's embeddings)."""
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(DFlashConfig.for_target(target.config, **overrides), target).eval()
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if p.dim() == 2 or name == "mask_embed":
-                p.normal_(0, std)
-    return drafter
-
-
-class Oracle:
-    """Makes a drafter draft from the target itself: slot k gets the target's logits for position
-    start + k after the committed sequence followed by the target's own greedy continuation, so at
-    temperature 0 every draft is the target's argmax. `wrong(position)` marks slots to corrupt (their
-    argmax moves to another token). It learns the committed sequence from on_round; call
-    reset(prompt) before each generation. It also checks that each block starts at the newest token."""
-
-    def __init__(self, drafter, target, wrong=lambda position: False):
-        self.drafter, self.target, self.wrong, self.memo, self.seq = drafter, target, wrong, {}, None
-        drafter.register_forward_hook(self.hook)
-
-    def reset(self, prompt):
-        self.seq = list(prompt)
-        return self
-
-    def on_round(self, info):
-        self.seq = info["seq"]
-
-    def chain(self, n):
-        key = (tuple(self.seq), n)
-        if key not in self.memo:
-            seq, rows = list(self.seq), []
-            for _ in range(n):
-                rows.append(self.target(torch.tensor([seq]), causal=True)[0, -1])
-                seq.append(int(next_token_probs(rows[-1].clone(), 0, None, None).argmax()))
-            self.memo[key] = torch.stack(rows), seq[len(self.seq):]
-        return self.memo[key]
-
-    def hook(self, module, args, output):
-        block, pos = args[0], args[1]
-        start = len(self.seq) - 1
-        assert pos.tolist() == list(range(start, start + block.shape[1])) and block[0, 0] == self.seq[-1]
-        rows, tokens = self.chain(block.shape[1] - 1)
-        out = output.clone()
-        out[0, 1:] = rows
-        for k, token in enumerate(tokens, 1):
-            if self.wrong(start + k):
-                out[0, k, (token + 1) % min(out.shape[-1], MASK)] = rows[k - 1].max() + 10.0
-        return out
 
 
 def run(target, drafter, prompt, n, oracle=None, on_round=None, **kwargs):
     """dflash_generate with every round's info recorded (caches left out), also passed to the oracle
     and to on_round."""
-    rounds = []
-
-    def record(info):
-        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
-        for callback in (oracle and oracle.on_round, on_round):
-            if callback:
-                callback(info)
-    if oracle is not None:
-        oracle.reset(prompt)
-    out, stats = dflash_generate(target, drafter, prompt, n, on_round=record, **kwargs)
-    return out, stats, rounds
+    return recorded_run(dflash_generate, target, drafter, prompt, n, oracle, on_round, **kwargs)
 
 
 def check_counts(out, stats, rounds, B, prompt_length):
     """The stats agree with each other and with the rounds; no round commits more than B tokens."""
-    assert len(stats["accepted"]) == B and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
-    assert [t for r in rounds for t in r["tokens"]] == out and stats["new_tokens"] == len(out)
-    assert stats["target_forwards"] == stats["rounds"] + (prompt_length > 1)
+    check_block_counts(out, stats, rounds, B, prompt_length)
     assert stats["draft_forwards"] == sum(len(r["drafts"]) > 0 for r in rounds)
     assert stats["proposed"] == sum(len(r["drafts"]) for r in rounds)
-    accepted = sum(r["accepted"] for r in rounds)
-    assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
-    if stats["proposed"]:
-        assert stats["alpha"] == accepted / stats["proposed"]
-    assert stats["tau"] == len(out) / stats["rounds"] and 1 <= stats["tau"] <= B
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= B for r in rounds)
 
 
@@ -331,10 +255,7 @@ def test_caches_hold_exactly_the_committed_context_after_every_round(models):
         if len(seq) > 1:
             _, hidden = target(torch.tensor([seq[:-1]]), cache=fresh_t, causal=True, hidden_layers=layers)
             current["drafter"].extend(fresh_d, hidden)
-        for ours, theirs in ((tc, fresh_t), (dc, fresh_d)):
-            for a, b in zip(ours.k + ours.v, theirs.k + theirs.v):
-                a, b = a[:, :, :ours.length], b[:, :, :ours.length]
-                assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # float rounding only
+        assert_caches_equal((tc, fresh_t), (dc, fresh_d))
         full = len(info["drafts"]) > 0 and info["accepted"] == len(info["drafts"])
         checked["full" if full else "partial"] += 1
 
@@ -391,37 +312,7 @@ def test_bad_input_is_a_clear_error(models):
 # enumerated joint at significance 1e-3, power asserted from the joint. Here the target has two
 # layers (its feature layer is [1]) and small embeddings, which makes its joint flat enough for
 # ~5,500 samples. MASK = 50257 lies outside V: the drafter embeds MASK slots with its own vector.
-DIST_CONFIG = ModelConfig(vocab_size=V, context=8, n_layer=2, n_head=2, d_model=16, d_ff=32)
-
-
-class TableTarget(torch.nn.Module):
-    """test_speculative's TableModel for a target read with hidden_layers: the logits and hidden
-    states of every prefix of PROMPT + (NEW - 1) tokens from full forwards, looked up by the tokens its
-    cache has read, so a generation costs a fraction of a millisecond. It answers exactly as the
-    Transformer would for whatever dflash_generate feeds it; its KV cache is proven by the cache test."""
-
-    def __init__(self, model, layers):
-        super().__init__()
-        self.config, self.embed, self.layers = model.config, model.embed, layers
-        prefixes = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
-        seqs = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)  # (M, T)
-        logits, hidden = model(seqs, causal=True, hidden_layers=layers)  # (M, T, V), N x (M, T, D)
-        self.table = {tuple(seq[:t + 1]): (logits[m, t], [h[m, t] for h in hidden])
-                      for m, seq in enumerate(seqs.tolist()) for t in range(seqs.shape[1])}
-
-    def new_cache(self, batch_size=1):
-        return TokenCache()
-
-    def forward(self, x, cache, causal=True, hidden_layers=None):
-        assert causal and hidden_layers == self.layers
-        start = cache.length
-        cache.tokens += x[0].tolist()
-        cache.length = len(cache.tokens)
-        rows = [self.table[tuple(cache.tokens[:t + 1])] for t in range(start, cache.length)]
-        hidden = [torch.stack([r[1][i] for r in rows])[None] for i in range(len(self.layers))]
-        return torch.stack([r[0] for r in rows])[None], hidden
-
-
+# The target is DFLASH_DIST_CONFIG, read through TableTarget (stats_helpers).
 DIST_CASES = {  # rule, oracle drafter (else random), temperature, top_k, top_p, samples, table target
     "match, oracle drafter": ("match", True, 1.0, None, None, 5_500, True),
     "reject, random drafter": ("reject", False, 1.0, None, None, 5_500, True),
@@ -441,28 +332,14 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     Every case must also see rejections and full acceptances, or it proves nothing about either.
     """
     rule, use_oracle, temperature, top_k, top_p, n, table = DIST_CASES[case]
-    target = random_model(DIST_CONFIG, seed=1, embed_std=0.1)
+    target = random_model(DFLASH_DIST_CONFIG, seed=1, embed_std=0.1)
     drafter = random_drafter(target, seed=5, block_size=4)
     oracle = Oracle(drafter, target) if use_oracle else None
     probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
     if table:
         target = TableTarget(target, drafter.config.feature_layers)
-    counts, hist = torch.zeros(V ** NEW, dtype=torch.long), [0] * 4
-    generator = torch.Generator().manual_seed(1234)
-    for _ in range(n):
-        if oracle is not None:
-            oracle.reset(PROMPT)
-        out, stats = dflash_generate(target, drafter, PROMPT, NEW, None, temperature, top_k, top_p, generator,
-                                     stop_token=None, rule=rule, on_round=oracle and oracle.on_round)
-        hist = [a + b for a, b in zip(hist, stats["accepted"])]
-        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+    counts, hist = sample_counts(lambda generator: dflash_generate(
+        target, drafter, PROMPT, NEW, None, temperature, top_k, top_p, generator, stop_token=None, rule=rule,
+        on_round=oracle and oracle.on_round), n, oracle, seed=1234)
     assert hist[0] > 0 and hist[NEW - 1] > 0, hist  # rejections, and full acceptances of 2 drafts
-    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
-    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
-    df = len(bins_p) - 1
-    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
-    critical = chi2_quantile(df, Z_ALPHA)
-    heaviest = max(bins_p)
-    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
-    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"
+    assert_follows_the_joint(probs, counts, n)

@@ -12,6 +12,9 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, TableModel, assert_follows_the_joint, exact_joint, one_hot,
+                           perturbed, random_model, recorder)
+from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
@@ -19,46 +22,6 @@ from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampling import residual, warp
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate
 from tinydiff.tokenizer import MASK
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run fastest on one thread, and stay fast when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def random_model(config, seed, embed_std=0.3, std=0.5):
-    """A random Transformer whose blocks matter. With the default init (std 0.02) the tied head
-    mostly predicts the input token back, so greedy decoding would repeat one token forever."""
-    torch.manual_seed(seed)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, embed_std if name == "embed.weight" else std)
-    return model
-
-
-def perturbed(model, seed, noise):
-    """A draft that mostly agrees with `model`: its weights plus Gaussian noise."""
-    model = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=g))
-    return model
-
-
-def recorder():
-    """An on_round callback that keeps each round's info (without the caches)."""
-    rounds = []
-
-    def on_round(info):
-        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
-    return rounds, on_round
 
 
 def check_counts(out, stats, rounds, k):
@@ -76,14 +39,8 @@ def check_counts(out, stats, rounds, k):
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
 
-# Greedy: lossless means token for token. Target and drafts use GPT-2's full vocabulary (and MASK).
-@pytest.fixture(scope="module")
-def greedy_models():
-    target = random_model(ModelConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
-    small = random_model(ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
-    return target, {"close": perturbed(target, seed=2, noise=0.01), "small": small}
-
-
+# Greedy: lossless means token for token. Target and drafts (greedy_models, from stats_helpers) use
+# GPT-2's full vocabulary (and MASK).
 @torch.no_grad()
 def test_greedy_output_equals_the_targets_greedy_decoding(greedy_models):
     target, drafts = greedy_models
@@ -263,104 +220,6 @@ def test_leviathan_formulas():
 
 
 # Distribution: at temperature > 0 the committed tokens must follow the target's joint exactly.
-V, NEW, PROMPT = 6, 3, [1, 2]      # 6^3 = 216 possible continuations of a 2-token prompt
-DIST_CONFIG = ModelConfig(vocab_size=V, context=8, n_layer=1, n_head=2, d_model=16, d_ff=32)
-Z_ALPHA = 3.090232306167813        # standard normal 0.999 quantile: fail at significance 1e-3
-DELTA, POWER = 0.02, 0.9           # catch one continuation off by DELTA at least POWER of the time
-BIN_MASS = 0.02                    # rare continuations share bins of at least this mass
-
-
-def chi2_sf(x, df):
-    """P(chi2_df > x) by Wilson-Hilferty ((chi2/df)^(1/3) is nearly normal); off by < 10% at 1e-3."""
-    s = math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(((x / df) ** (1 / 3) - 1 + s * s) / (s * math.sqrt(2)))
-
-
-def chi2_quantile(df, z):
-    """The chi2_df value that a standard normal quantile z maps to under Wilson-Hilferty."""
-    s = math.sqrt(2 / (9 * df))
-    return df * (1 - s * s + z * s) ** 3
-
-
-def noncentral_chi2_sf(x, df, lam):
-    """P(chi2_df(lam) > x) by Patnaik (c * chi2_h with matched mean and variance); within 0.02 of
-    the exact value for the df and lam used here (checked against scipy.stats.ncx2 once)."""
-    h, c = (df + lam) ** 2 / (df + 2 * lam), (df + 2 * lam) / (df + lam)
-    return chi2_sf(x / c, h)
-
-
-class TokenCache:
-    """What `TableModel` remembers: the tokens it has read, with KVCache's `length` and `crop`."""
-
-    def __init__(self):
-        self.tokens, self.length = [], 0
-
-    def crop(self, n):
-        assert 0 <= n <= self.length
-        del self.tokens[n:]
-        self.length = n
-
-
-class TableModel(torch.nn.Module):
-    """A Transformer's conditionals after PROMPT, computed once with full forwards and then looked
-    up by the tokens the cache has read, so a generation costs ~0.2 ms instead of ~1 ms and a
-    powerful test fits in seconds. It answers exactly as the Transformer would for whatever
-    speculative_generate feeds it, so wrong inputs or a wrong crop still show up as a wrong
-    distribution; the real KV cache is proven separately (greedy and cache tests above)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.config, self.embed = model.config, model.embed
-        prefixes = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
-        seqs = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)  # (M, T)
-        with torch.no_grad():
-            logits = model(seqs, causal=True)  # (M, T, V)
-        self.table = {tuple(seq[:t + 1]): row[t] for seq, row in zip(seqs.tolist(), logits)
-                      for t in range(seqs.shape[1])}
-
-    def new_cache(self, batch_size=1):
-        return TokenCache()
-
-    def forward(self, x, cache, causal=True):
-        start = cache.length
-        cache.tokens += x[0].tolist()
-        cache.length = len(cache.tokens)
-        return torch.stack([self.table[tuple(cache.tokens[:t + 1])] for t in range(start, cache.length)])[None]
-
-
-@torch.no_grad()
-def exact_joint(target, temperature, top_k, top_p):
-    """P(x_1..x_NEW | PROMPT) for all V^NEW continuations, in itertools.product order: products of
-    the warped target conditionals from one full forward (no cache, no speculation)."""
-    prefixes = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
-    x = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)  # (M, T)
-    p = warp(target(x, causal=True)[:, len(PROMPT) - 1:], temperature, top_k, top_p)  # (M, NEW, V)
-    path = p[:, :-1].gather(-1, prefixes[..., None]).prod(1)  # (M, 1): P(prefix)
-    return (path * p[:, -1]).flatten()  # (M * V,) = (V^NEW,)
-
-
-def chi_square_bins(probs, counts):
-    """Group continuations, rarest first, into bins of mass >= BIN_MASS (a leftover joins the last
-    bin): every bin is expected >= 5 times and the degrees of freedom stay few."""
-    bins_p, bins_o, p_run, o_run = [], [], 0.0, 0
-    for i in probs.argsort().tolist():
-        p_run, o_run = p_run + float(probs[i]), o_run + int(counts[i])
-        if p_run >= BIN_MASS:
-            bins_p.append(p_run)
-            bins_o.append(o_run)
-            p_run, o_run = 0.0, 0
-    bins_p[-1] += p_run
-    bins_o[-1] += o_run
-    return bins_p, bins_o
-
-
-def one_hot(model):
-    """A temperature-0 draft: all of its mass on its argmax, whatever the warping."""
-    model.register_forward_hook(lambda module, inputs, logits: torch.full_like(logits, float("-inf"))
-                                .scatter_(-1, logits.argmax(-1, keepdim=True), 0.0))
-    return model
-
-
 class Case(NamedTuple):
     draft: Callable              # builds the draft from the target
     k: int                       # drafts per round (NEW - 1 = 2 at most are ever proposed)
@@ -419,12 +278,4 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
         out, _ = speculative_generate(target, draft, PROMPT, NEW, k, temperature, top_k, top_p,
                                       generator=generator, stop_token=None)
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
-    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
-    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
-    df = len(bins_p) - 1
-    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
-    critical = chi2_quantile(df, Z_ALPHA)
-    heaviest = max(bins_p)
-    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
-    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"
+    assert_follows_the_joint(probs, counts, n)

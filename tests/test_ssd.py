@@ -12,8 +12,9 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from test_speculative import (DELTA, POWER, Z_ALPHA, chi2_quantile, chi_square_bins, noncentral_chi2_sf, one_hot,
-                              perturbed, random_model)
+from stats_helpers import (DELTA, Z_ALPHA, TableModel, assert_follows_the_joint, chi2_quantile, exact_joint,
+                           noncentral_chi2_sf, one_hot, perturbed, random_model, recorder)
+from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
@@ -24,24 +25,6 @@ from tinydiff.sampling import sample
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 COSTS = (0.25, 1.0)  # (draft, target) seconds per forward for the modelled times: no clock in these tests
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run fastest on one thread, and stay fast when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def recorder():
-    """An on_round callback that keeps each round's info (without the caches)."""
-    rounds = []
-
-    def on_round(info):
-        rounds.append({key: value for key, value in info.items() if not key.endswith("cache")})
-    return rounds, on_round
 
 
 def check_counts(out, stats, rounds, k, full_context=False):
@@ -75,14 +58,7 @@ def check_counts(out, stats, rounds, k, full_context=False):
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
 
-# Greedy and cache contents: GPT-2's full vocabulary (and MASK), as in test_speculative.py.
-@pytest.fixture(scope="module")
-def greedy_models():
-    target = random_model(ModelConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
-    small = random_model(ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
-    return target, {"close": perturbed(target, seed=2, noise=0.01), "small": small}
-
-
+# Greedy and cache contents: GPT-2's full vocabulary (and MASK), as in test_speculative.py (greedy_models).
 def prompt_for(seed, length):
     return torch.randint(0, 50257, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -278,7 +254,7 @@ class TableCache:
         self.length += n
 
 
-class TableModel(torch.nn.Module):
+class ForkTableModel(TableModel):
     """A Transformer's conditionals after PROMPT from full forwards, looked up by the tokens each
     query attends to: its mask row (or, causally, every row up to it). A generation costs a few
     table lookups instead of ~10 forwards, so a powerful test fits in seconds. A wrong mask, fork,
@@ -286,14 +262,7 @@ class TableModel(torch.nn.Module):
     the real KV cache path is proven by the greedy, hit and real-caches tests."""
 
     def __init__(self, model):
-        super().__init__()
-        self.config, self.embed = model.config, model.embed
-        rest = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
-        seqs = torch.cat([torch.tensor(PROMPT).expand(len(rest), -1), rest], 1)  # (M, T)
-        with torch.no_grad():
-            logits = model(seqs, causal=True)  # (M, T, V)
-        self.table = {tuple(seq[:t + 1]): row[t] for seq, row in zip(seqs.tolist(), logits)
-                      for t in range(seqs.shape[1])}
+        super().__init__(model, V, NEW, PROMPT)
 
     def new_cache(self, batch_size=1):
         return TableCache(batch_size, self.config.context)
@@ -316,17 +285,6 @@ class TableModel(torch.nn.Module):
             assert seen[-1] == rows[b][past + t] and (pos is None or pos[b][t] == len(seen) - 1)
             out.append(self.table[seen])
         return torch.stack(out).view(B, T, -1)
-
-
-@torch.no_grad()
-def exact_joint(target, temperature, top_k, top_p):
-    """P(x_1..x_NEW | PROMPT) for all V^NEW continuations in itertools.product order, from one full
-    forward of the target (no cache, no speculation)."""
-    rest = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))  # (M, NEW-1)
-    x = torch.cat([torch.tensor(PROMPT).expand(len(rest), -1), rest], 1)  # (M, T)
-    p = warp(target(x, causal=True)[:, len(PROMPT) - 1:], temperature, top_k, top_p)  # (M, NEW, V)
-    path = p[:, :-1].gather(-1, rest[..., None]).prod(1)  # (M, 1): P(first NEW-1 tokens)
-    return (path * p[:, -1]).flatten()  # (V^NEW,)
 
 
 class Case(NamedTuple):
@@ -378,9 +336,9 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     make_draft, k, fan_out, temperature, top_k, top_p, n, table = CASES[case]
     target = flat_target()
     draft = make_draft(target)
-    probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
+    probs = exact_joint(target, temperature, top_k, top_p, V, NEW, PROMPT)  # (V^NEW,)
     if table:
-        target, draft = TableModel(target), TableModel(draft)
+        target, draft = ForkTableModel(target), ForkTableModel(draft)
     counts = torch.zeros(V ** NEW, dtype=torch.long)
     hits = lookups = 0
     generator = torch.Generator().manual_seed(1234)
@@ -392,12 +350,4 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     assert hits > 0.05 * n  # the cached speculations are exercised, not only just-in-time drafting
     if case.startswith("whole vocabulary"):
         assert hits == lookups
-    assert counts[probs == 0].sum() == 0  # never a continuation the target rules out
-    bins_p, bins_o = chi_square_bins(probs[probs > 0], counts[probs > 0])
-    df = len(bins_p) - 1
-    stat = sum((o - n * p) ** 2 / (n * p) for p, o in zip(bins_p, bins_o))
-    critical = chi2_quantile(df, Z_ALPHA)
-    heaviest = max(bins_p)
-    power = noncentral_chi2_sf(critical, df, n * DELTA ** 2 * (1 - heaviest) / heaviest)
-    assert power >= POWER, f"{n} samples catch a {DELTA} error with probability {power:.2f} only"
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} on {df} df: not the target's distribution"
+    assert_follows_the_joint(probs, counts, n)
