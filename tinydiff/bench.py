@@ -20,7 +20,6 @@ import json
 import math
 import platform
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer, preset
 from tinydiff.speculative import leviathan_speedup
+from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, Tokenizer
 
 PROMPTS = [
@@ -87,23 +87,6 @@ def measure(method, models, prompts, args) -> dict:
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
         row["alpha"] = accepted / totals["proposed"] if totals.get("proposed") else None
     return row
-
-
-@torch.no_grad()
-def forward_seconds(model, prompt, device, n: int = 16) -> float:
-    """Median seconds of one single-token KV-cached forward after `prompt`: decoding's unit cost."""
-    cache = model.new_cache(1)
-    x = torch.tensor([prompt], device=device)
-    model(x, cache=cache, causal=True)
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        model(x[:, -1:], cache=cache, causal=True)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cache.crop(cache.length - 1)
-    return sorted(times)[n // 2]
 
 
 def load_models(args) -> dict:
@@ -190,8 +173,8 @@ def main(argv=None):
         methods = [m for m in methods if m not in too_big]
     nll = heldout_nll(models, args, tokenizer, sorted({USES.get(m, "mdlm") for m in methods})) if args.data else {}
     # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
-    args.forward_costs = (forward_seconds(models["draft"], prompts[0], args.device),
-                          forward_seconds(models["target"], prompts[0], args.device))
+    args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),
+                          forward_seconds(models["target"], prompts[0], reps=16))
     c = args.forward_costs[0] / args.forward_costs[1]
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):

@@ -38,10 +38,10 @@ import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.dflash import draft_block
-from tinydiff.dflash_decode import check_drafter
+from tinydiff.dflash_decode import check_drafter, prefill_caches
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import round_stats
+from tinydiff.speculative import cut_at_stop, round_stats
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -201,13 +201,9 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     device, context = target.embed.weight.device, target.config.context
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, draft_forwards, prefill = [0] * B, 0, 0, 0
+    hist, proposed, draft_forwards = [0] * B, 0, 0
     start_time = time.perf_counter()
-    if len(prompt) > 1:  # the target reads all but the newest token; its features are the drafter's context
-        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, causal=True,
-                           hidden_layers=layers)
-        drafter.extend(draft_cache, hidden)
-        prefill = 1
+    prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
         start = target_cache.length  # = len(seq) - 1, the root's position
@@ -221,9 +217,7 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
         logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
         path, bonus = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
         tokens = tree.tokens[path].tolist() + [bonus]
-        stopped = stop_token in tokens
-        if stopped:
-            tokens = tokens[:tokens.index(stop_token) + 1]
+        tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
         out += tokens
         rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)

@@ -32,7 +32,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.dflash import DFlashDrafter, check_target, draft_block
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import round_stats, verify
+from tinydiff.speculative import cut_at_stop, round_stats, verify
 from tinydiff.tokenizer import EOT, MASK
 
 RULES = ("match", "reject")
@@ -67,6 +67,17 @@ def check_drafter(target, drafter, block_size) -> int:
     return block_size
 
 
+def prefill_caches(target, drafter, prompt, target_cache, draft_cache) -> int:
+    """Read all but the prompt's newest token into the target's cache and their features into the
+    drafter's context cache; returns the target forwards spent (0 for a one-token prompt)."""
+    if len(prompt) < 2:
+        return 0
+    x = torch.tensor([prompt[:-1]], device=target.embed.weight.device)
+    _, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.feature_layers)
+    drafter.extend(draft_cache, hidden)
+    return 1
+
+
 @torch.no_grad()
 def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
                     top_p=None, generator=None, stop_token=EOT, on_round=None, rule="match"):
@@ -92,13 +103,9 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     device = target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, draft_forwards, prefill = [0] * B, 0, 0, 0
+    hist, proposed, draft_forwards = [0] * B, 0, 0
     start = time.perf_counter()
-    if len(prompt) > 1:  # the target reads all but the newest token; its features are the drafter's context
-        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, causal=True,
-                           hidden_layers=layers)
-        drafter.extend(draft_cache, hidden)
-        prefill = 1
+    prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
         drafts = torch.empty(0, dtype=torch.long, device=device)
@@ -118,9 +125,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         else:  # sample-and-match (also a round without drafts: the target's one sample)
             n, token = sample_and_match(p, drafts, generator, greedy=temperature == 0)
         tokens = drafts[:n].tolist() + [token]
-        stopped = stop_token in tokens
-        if stopped:
-            tokens = tokens[:tokens.index(stop_token) + 1]
+        tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
         out += tokens
         target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round

@@ -126,9 +126,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         p = target_probs(target, target_cache, seq, drafts, warp_args)
         n, token = verify(p, q, drafts, generator)
         tokens = drafts[:n].tolist() + [token]
-        stopped = stop_token in tokens
-        if stopped:
-            tokens = tokens[:tokens.index(stop_token) + 1]
+        tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
         out += tokens
         target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
@@ -141,6 +139,13 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         if stopped:
             break
     return out, round_stats(out, hist, proposed, proposed, start, target.embed.weight.device)
+
+
+def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
+    """A round's committed tokens up to and including the first stop token; and whether it came."""
+    if stop_token in tokens:
+        return tokens[:tokens.index(stop_token) + 1], True
+    return tokens, False
 
 
 def round_stats(out, hist, proposed: int, draft_forwards: int, start: float, device, prefill: int = 0) -> dict:

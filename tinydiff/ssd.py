@@ -60,7 +60,7 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import check_models, draft_round, round_stats, target_probs, verify
+from tinydiff.speculative import check_models, cut_at_stop, draft_round, round_stats, target_probs, verify
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -294,9 +294,7 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
             if ahead:
                 seconds_waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
             tokens = drafts[:n].tolist() + [token]
-            stopped = stop_token in tokens
-            if stopped:
-                tokens = tokens[:tokens.index(stop_token) + 1]
+            tokens, stopped = cut_at_stop(tokens, stop_token)
             seq += tokens
             out += tokens
             target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
