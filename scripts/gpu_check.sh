@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # gpu_check.sh [LOGDIR]: the checks that need a CUDA GPU, logged to LOGDIR (default $OUT, else ./gpu_logs).
 #
-#   1. tests/test_kernels.py with the kernels compiled for the GPU (TRITON_INTERPRET=0);
+#   1. tests/test_kernels.py (each kernel against its reference) and tests/test_kernel_paths.py (the
+#      model paths with and without the kernels), the kernels compiled for the GPU (TRITON_INTERPRET=0);
 #   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
 #      paths, and the Triton kernels at other tile sizes;
-#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on untrained tiny models (every method).
+#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on untrained tiny models (every method,
+#      the kernels in the model paths).
 # Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR or
 # ../shared/tiktoken-cache; without them step 3 is skipped). Each step has a time limit, so the
 # whole script ends within 8 minutes; a step that fails or times out is reported and the others
@@ -49,7 +51,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
     tail -n 3 "$LOGDIR/$name.log"
 }
 
-TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    tests/test_kernel_paths.py
 # The rows are written as they come (FlexAttention's, slow to compile, last): a timeout keeps them.
 step kernel_bench 230 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then

@@ -1,7 +1,8 @@
 """Each Triton kernel computes what the PyTorch function it replaces computes (tinydiff/kernels/).
 
 On CPU the kernels run under Triton's interpreter: the same kernel source, executed with NumPy.
-With a CUDA GPU (scripts/gpu_check.sh runs this file with TRITON_INTERPRET=0) they run compiled.
+With a CUDA GPU (scripts/gpu_check.sh runs this file with TRITON_INTERPRET=0) they run compiled
+(tests/kernel_mode.py sets this up). The model paths that call the kernels: test_kernel_paths.py.
 Sizes are deliberately awkward (never a multiple of the tile) and tiles small, so every kernel
 crosses partial tiles and several chunks; grids stay small because the interpreter spends
 milliseconds per program instance. The references are evaluated in float64 on the same inputs,
@@ -14,38 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_mode import DEVICE, INTERPRET, triton_mode  # noqa: F401 (first: sets TRITON_INTERPRET; autouse fixture)
 
-# @triton.jit decides between compiled and interpreted kernels when a kernel module is *imported*
-# (it reads TRITON_INTERPRET then), so the variable must be set before the kernel imports below.
-# Afterwards it is put back as it was and set only while this module's tests run (the fixture
-# below): on CPU, kernels.use_triton() follows it, and the rest of the suite keeps the references.
-OUTER = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = OUTER if OUTER is not None else "0" if torch.cuda.is_available() else "1"
-pytest.importorskip("triton")
-
-from tinydiff import kernels  # noqa: E402
-from tinydiff.ddtree import build_tree, compile_tree  # noqa: E402
-from tinydiff.dmoe import MoEConfig, MoEFeedForward, block_routing  # noqa: E402
-from tinydiff.kernels import masked_attention as attn, moe_ffn as moe, sampler_step as step  # noqa: E402
-from tinydiff.sampler import block_causal_mask, propose  # noqa: E402
-from tinydiff.tokenizer import MASK, VOCAB_SIZE  # noqa: E402
-
-INTERPRET = kernels.interpreting()
-if INTERPRET != (type(step._sampler_step_kernel).__name__ == "InterpretedFunction"):
-    raise RuntimeError("Triton was imported before this test module set TRITON_INTERPRET (by an earlier "
-                       "test or by library code importing a kernel module at import time). Import kernel "
-                       "modules lazily, where kernels.use_triton() is True, or set TRITON_INTERPRET=1 "
-                       "before pytest starts.")
-if OUTER is None:
-    del os.environ["TRITON_INTERPRET"]
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-@pytest.fixture(autouse=True)
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if INTERPRET else "0")
+from tinydiff import kernels
+from tinydiff.ddtree import build_tree, compile_tree
+from tinydiff.dmoe import MoEConfig, MoEFeedForward, block_routing
+from tinydiff.kernels import masked_attention as attn, moe_ffn as moe, sampler_step as step
+from tinydiff.sampler import block_causal_mask, propose
+from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}  # absolute, on outputs of size ~1
@@ -233,7 +210,7 @@ def test_moe_reference_is_moe_feed_forward_with_block_routing():
                                      routing="block", route_block=8, route_guard=2)).eval()
     torch.nn.init.normal_(layer.router.weight, std=0.5)
     x = torch.randn(2, 13, 24)
-    with torch.no_grad():
+    with torch.no_grad(), kernels.kernels_enabled(False):  # the layer's own loop, not the kernel it calls now
         y = layer(x)
         weights, experts = layer.last["weights"].view(26, 2), layer.last["experts"].view(26, 2)
         stacked = moe.stack_experts(layer)
@@ -257,8 +234,8 @@ def test_sampler_step_gives_propose_tokens_and_confidences(V, block_v, split, te
     g = torch.Generator().manual_seed(int(10 * temperature) + V)
     logits = (3 * torch.randn(5, V, generator=g)).to(DEVICE)
     seed = 123
-    want_c, want_p = propose(logits, temperature, "low_confidence",
-                             torch.Generator(DEVICE).manual_seed(seed))
+    with kernels.kernels_enabled(False):  # propose's own math, not the kernel it calls now
+        want_c, want_p = propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(seed))
     u = None  # propose's own draw: the same generator, seed and shape give the same uniforms
     if temperature > 0:
         u = torch.rand(logits.shape, generator=torch.Generator(DEVICE).manual_seed(seed),
@@ -310,6 +287,9 @@ def test_sampler_step_float16_logits_match_the_reference(temperature):
 def test_dispatch_follows_use_triton_and_can_be_switched_off(monkeypatch):
     logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     assert kernels.use_triton(logits)
+    assert not kernels.for_inference(logits)  # gradients on (training): the model paths keep PyTorch's
+    with torch.no_grad():
+        assert kernels.for_inference(logits)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert kernels.use_triton(logits) == logits.is_cuda  # CPU tensors: the interpreter only when asked
     monkeypatch.setenv("TRITON_INTERPRET", "1" if INTERPRET else "0")

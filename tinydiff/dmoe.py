@@ -21,11 +21,13 @@ Scores are softmax probabilities by default: each token then casts one vote of t
 into its block's distribution, and the Switch term is defined on them. "sigmoid" (DeepSeek-V3 /
 Ling style) is offered too; its top-k weights are renormalised the same way.
 Dispatch is a plain loop over experts (index_select the routed tokens, run the expert, index_add
-the weighted result): an expert no token chose is never read. Stats per forward: unique experts
-per block, experts touched (x bytes per expert = expert-weight bytes read), time in the layer.
+the weighted result): an expert no token chose is never read. Without gradients, where Triton
+runs (tinydiff/kernels/__init__.py), one grouped-GEMM launch does the same
+(tinydiff/kernels/moe_ffn.py). Stats per forward: unique experts per block, experts touched
+(x bytes per expert = expert-weight bytes read), time in the layer.
 
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
-balancing, grouped-GEMM kernels, blocks aligned to the sampler's blocks (routing blocks start at
+balancing, a grouped-GEMM backward pass, blocks aligned to the sampler's blocks (routing blocks start at
 position 0 of whatever sequence the model is given).
 """
 import math
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from tinydiff import kernels
 from tinydiff.diffusion import mdlm_loss
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
@@ -157,6 +160,7 @@ class MoEFeedForward(nn.Module):
         self.threshold, self.guard = config.route_threshold, config.route_guard
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
         self.sync_timing = False  # synchronize CUDA around the layer so its time is the GPU's
+        self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
         self.reset_stats()
 
     def reset_stats(self):
@@ -178,13 +182,18 @@ class MoEFeedForward(nn.Module):
             coreset = block_routing(scores, self.top_k, self.block_size, self.threshold, self.guard)
         weights, experts = route(scores, self.top_k, coreset, self.block_size)  # (B, T, k) each
         flat, chosen, mix = x.reshape(B * T, D), experts.view(B * T, -1), weights.view(B * T, -1)
-        out = torch.zeros_like(flat)  # (B*T, D)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
-            if len(rows) == 0:
-                continue  # this expert's weights are never read
-            y = expert(flat.index_select(0, rows))  # (n_e, D)
-            out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
+        if kernels.for_inference(flat):  # one launch for all experts instead of E small ones
+            from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
+            out = moe_ffn(flat, mix, chosen, *stacked_experts(self))
+        else:
+            self.stacked = None  # an optimizer step may follow this forward: restack after it
+            out = torch.zeros_like(flat)  # (B*T, D)
+            for e, expert in enumerate(self.experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
+                if len(rows) == 0:
+                    continue  # this expert's weights are never read
+                y = expert(flat.index_select(0, rows))  # (n_e, D)
+                out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
         if self.shared is not None:
             out = out + self.shared(flat)
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)

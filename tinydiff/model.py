@@ -5,7 +5,8 @@ A decoder stack in the llama style: RMSNorm before each sublayer, rotary positio
 Attention is one of three kinds, chosen per call:
   - causal (the AR models),
   - bidirectional (the masked-diffusion LM: every position sees every position),
-  - an explicit boolean mask with explicit position ids, for block-causal and tree attention.
+  - an explicit boolean mask with explicit position ids, for block-causal and tree attention
+    (without gradients, where Triton runs: the flash kernel of tinydiff/kernels/masked_attention.py).
 A `KVCache` holds past keys/values for incremental decoding, with `crop(n)` and `keep(rows)` to
 roll back or compact after speculative verification. `hidden_layers=` returns the residual
 stream after chosen blocks (0 = the embeddings, i = after block i), which DFlash and EAGLE read.
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinydiff import kernels
 from tinydiff.errors import UserError
 from tinydiff.tokenizer import VOCAB_SIZE
 
@@ -140,7 +142,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D/H)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, S, D/H), S = cached + T
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        if mask is not None and kernels.for_inference(q):  # skips key tiles the mask hides; no backward
+            from tinydiff.kernels.masked_attention import masked_attention  # lazily: see kernels/__init__.py
+            y = masked_attention(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 
 

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from tinydiff import kernels
 from tinydiff.ar import check_prompt
 from tinydiff.diffusion import subs_logits
 from tinydiff.errors import UserError
@@ -43,7 +44,16 @@ def propose(logits, temperature: float, remasking: str, generator=None):
 
     argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, without
     overflowing exp. Noise and probabilities in float64: float32 Gumbel noise has visible ties.
+    Where Triton runs (and no gradients), low_confidence is one fused pass over the vocabulary
+    (tinydiff/kernels/sampler_step.py) on the same uniforms: the same tokens, and the (N, V)
+    float64 logits, scores and probabilities are never written.
     """
+    if remasking == "low_confidence" and kernels.for_inference(logits):
+        from tinydiff.kernels.sampler_step import sampler_step  # lazily: see kernels/__init__.py
+        u = None  # the uniforms drawn below: same generator, shape and dtype, so the same tokens
+        if temperature > 0:
+            u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+        return sampler_step(logits, temperature, u)
     logits = subs_logits(logits).double()  # (N, V)
     if temperature > 0:
         u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)

@@ -6,13 +6,18 @@ One file per kernel, each with the plain PyTorch function it replaces right besi
   sampler_step.py      the diffusion sampler's argmax + confidence over the vocabulary, in chunks
 Each file's public function (`masked_attention`, `moe_ffn`, `sampler_step`) dispatches: the Triton
 kernel when `use_triton(tensor)` says so, the reference otherwise. `bench.py` times them.
+The model paths call them where `for_inference(tensor)`: model.Attention with an explicit mask
+(DDTree verification, the block-causal sampler), dmoe.MoEFeedForward's experts, and
+sampler.propose with low_confidence remasking. The kernels have no backward pass, so a forward
+that records gradients (training) always takes the PyTorch path.
 
 When do kernels run? On a CUDA tensor when Triton is installed; on a CPU tensor only under Triton's
 interpreter (TRITON_INTERPRET=1 in the environment at the call), which runs the same kernel code
 with NumPy, slowly, so tests and lessons can check kernels on a laptop. Triton decides between
 compiled and interpreted code when it and the kernel files are *imported*, so TRITON_INTERPRET must
-be set before that (tests/test_kernels.py does it first thing). Library code therefore imports a
-kernel module lazily, inside `if kernels.use_triton(x):`; importing this package imports no Triton.
+be set before that (tests/kernel_mode.py does it first thing). Library code therefore imports a
+kernel module lazily, inside `if kernels.for_inference(x):`; importing this package imports no
+Triton. So on CPU the models run the references unless TRITON_INTERPRET=1 is set (slow: for tests).
 Under the interpreter use float32 or float16 (bfloat16 is silently wrong there) and small grids.
 `TINYDIFF_KERNELS=0` in the environment, or `with kernels_enabled(False):`, forces the references
 everywhere (what the agreement tests compare against).
@@ -38,6 +43,12 @@ def interpreting() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Run the Triton kernel on tensor x? CUDA: yes (with Triton); CPU: only under the interpreter."""
     return _enabled and HAVE_TRITON and (x.is_cuda or interpreting())
+
+
+def for_inference(x: torch.Tensor) -> bool:
+    """Should a model path call a kernel on tensor x? use_triton(x), and autograd off (torch.no_grad,
+    torch.inference_mode): the kernels compute no gradients, so training keeps the PyTorch path."""
+    return use_triton(x) and not torch.is_grad_enabled()
 
 
 @contextmanager

@@ -163,3 +163,19 @@ def stack_experts(layer):
     This copies every expert's weights: do it once per model (eval), not per forward."""
     return tuple(torch.stack([getattr(expert, name).weight for expert in layer.experts])
                  for name in ("gate", "up", "down"))
+
+
+def stacked_experts(layer):
+    """stack_experts(layer), kept in `layer.stacked` while the weights stay what they were stacked from.
+
+    Stacking reads every expert, so doing it per forward would cost more than the loop it replaces.
+    The copy is reused while each weight has the same storage (.to() or .half() makes new storage)
+    and the same version (autograd's count of in-place writes: load_state_dict, nn.init, a plain
+    optimizer step). A fused optimizer step writes without counting, so MoEFeedForward also drops
+    the copy in every forward that records gradients: an optimizer step needs one first. While
+    cached, the experts' weights are held twice."""
+    weights = [getattr(expert, name).weight for name in ("gate", "up", "down") for expert in layer.experts]
+    key = [(w.data_ptr(), w._version) for w in weights]
+    if layer.stacked is None or layer.stacked[0] != key:
+        layer.stacked = (key, stack_experts(layer))
+    return layer.stacked[1]
