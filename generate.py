@@ -13,7 +13,9 @@ all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregre
 second thread, pre-drafting the next round for likely outcomes while the target verifies;
 `dflash` drafts a whole block per forward with a block-diffusion drafter trained by
 `train.py --model dflash`; `ddtree` turns that one drafter pass into a tree of the likeliest
-continuations (--budget nodes) and verifies the whole tree in one target forward. vLLM's spelling works too:
+continuations (--budget nodes) and verifies the whole tree in one target forward; `eagle3` drafts
+with an EAGLE-3 head (`train.py --model eagle3`), a chain of --k tokens or, with --budget, a tree.
+vLLM's spelling works too:
     --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}'
     --speculative-config '{"method": "dflash", "model": "out/dflash-tiny/ckpt.pt"}'
 
@@ -34,6 +36,8 @@ from tinydiff.dflash import drafter_from
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
+from tinydiff.eagle import head_from
+from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.speculative import speculative_generate
@@ -41,8 +45,9 @@ from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # method -> checkpoint kinds it decodes
-METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "ddtree": ("ar",),
+METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "ddtree": ("ar",), "eagle3": ("ar",),
            "diffusion": ("mdlm", "mdlm-moe")}
+DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
 
 
 def parse_args(argv=None):
@@ -63,9 +68,11 @@ def parse_args(argv=None):
     spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
     spec.add_argument("--fan-out", type=int, default=3, help="--method ssd: bonus tokens pre-drafted per accepted count")
-    spec.add_argument("--drafter", help="--method dflash: the DFlash drafter checkpoint")
+    spec.add_argument("--drafter", help="--method dflash/ddtree: the DFlash drafter; --method eagle3: the EAGLE-3 head")
     spec.add_argument("--block-size", type=int, help="--method dflash/ddtree: block size (default: the drafter's)")
-    spec.add_argument("--budget", type=int, default=32, help="--method ddtree: tree nodes verified per round")
+    spec.add_argument("--budget", type=int, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "
+                      "instead of a chain of --k)")
+    spec.add_argument("--branch", type=int, default=4, help="--method eagle3 with --budget: children per tree node")
     diff = p.add_argument_group("diffusion")
     diff.add_argument("--gen-length", type=int, default=128, help="tokens on the canvas after the prompt")
     diff.add_argument("--steps", type=int, help="forward passes in all (default: gen-length, one token per step)")
@@ -133,15 +140,20 @@ def run_speculative(model, prompt, args, generator, warping):
             torch.set_num_threads(1)  # the draft's thread and the target's each get one core
         return ssd_generate(model, draft, prompt, args.max_new_tokens, args.k, args.fan_out, *warping, generator,
                             threaded=True)
+    kind = DRAFTER_KINDS[args.method]
     if not args.drafter:
-        raise UserError(f"--method {args.method} needs --drafter DRAFTER_CKPT (trained with train.py --model dflash)")
+        raise UserError(f"--method {args.method} needs --drafter DRAFTER_CKPT (trained with train.py --model {kind})")
     drafter_ckpt = load_checkpoint(args.drafter)
-    if drafter_ckpt["kind"] != "dflash":
-        raise UserError(f"{args.drafter} holds a {drafter_ckpt['kind']} model, not a dflash drafter")
+    if drafter_ckpt["kind"] != kind:
+        raise UserError(f"{args.drafter} holds a {drafter_ckpt['kind']} model, not a {kind} drafter")
+    if args.method == "eagle3":
+        head = head_from(drafter_ckpt, model, args.drafter)
+        return eagle_generate(model, head, prompt, args.max_new_tokens, args.k, args.budget, args.branch, *warping,
+                              generator)
     drafter = drafter_from(drafter_ckpt, model, args.drafter)
     if args.method == "ddtree":
-        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, args.budget, *warping,
-                               generator)
+        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, args.budget or 32,
+                               *warping, generator)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
 
 
@@ -172,7 +184,7 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    if method in ("ar", "spec", "ssd", "dflash", "ddtree"):
+    if method != "diffusion":
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method

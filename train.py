@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from tinydiff.sampler import generate
 from tinydiff.checkpoint import load_checkpoint, load_model, model_from, save_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
 from tinydiff.dflash_decode import dflash_generate
+from tinydiff.eagle import EagleConfig, EagleHead, eagle_loss, head_from
+from tinydiff.eagle_decode import eagle_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
@@ -35,12 +38,13 @@ from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
 OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
-              "dflash": (dflash_loss, 0)}
+              "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
+DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
-                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate")
+                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead")
 
 
 def parse_args(argv=None):
@@ -65,10 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
-    dflash = p.add_argument_group("drafters (dflash, or an ar draft with --regenerate)")
+    dflash = p.add_argument_group("drafters (dflash, eagle3, or an ar draft with --regenerate)")
     dflash.add_argument("--target", help="the AR target checkpoint the draft or drafter learns to draft for")
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
     dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
+    dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
@@ -82,9 +87,10 @@ def defaults(args, device: str) -> dict:
                 "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
-                "target": None, "block_size": 16, "regenerate": None}
+                "target": None, "block_size": 16, "regenerate": None,
+                "steps_ahead": 3}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
-    if args.preset is None and not device.startswith("cuda") and run["model"] != "dflash":
+    if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
     for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
@@ -98,9 +104,9 @@ def resumed_settings(args, ckpt: dict, path) -> dict:
     run = ckpt["args"]
     for key in RUN_SETTINGS:
         given = getattr(args, key)
-        if given is not None and given != run[key]:
+        if given is not None and given != run.get(key):
             raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
-                            f"({run[key]}); drop the flag to resume, or start a new run with another --out")
+                            f"({run.get(key)}); drop the flag to resume, or start a new run with another --out")
     return run
 
 
@@ -136,7 +142,7 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
 
 
 def load_target(run: dict, device: str):
-    """The frozen AR target a DFlash drafter trains against."""
+    """The frozen AR target a drafter (DFlash, EAGLE-3, an AR draft) trains against."""
     if not run["target"]:
         raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
                         "the AR model to draft for")
@@ -151,13 +157,22 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         if ckpt is not None:
             return drafter_from(ckpt, target, path)
         return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"]), target)
+    if run["model"] == "eagle3":
+        target = load_target(run, device)
+        if ckpt is not None:
+            return head_from(ckpt, target, path)
+        return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
     if ckpt is not None:
         return model_from(ckpt, path, device)
     if run["init"]:
         init = load_checkpoint(run["init"])
-        if init["kind"] != run["model"]:
+        adapt = init["kind"] == "ar" and run["model"] == "mdlm"
+        if init["kind"] != run["model"] and not adapt:
             raise UserError(f"--init {run['init']} holds a {init['kind']} model, not {run['model']}")
         model = model_from(init, run["init"], device)
+        if adapt:  # AR-to-diffusion adaptation (Dream 7B): the AR weights, bidirectional attention, and
+            # the AR head's alignment kept (output i predicts token i+1; see tinydiff/diffusion.py)
+            model.config = replace(model.config, causal=False, shift=True)
     elif run["model"] == "mdlm-moe":
         overrides = {"context": run["context"]} if run["context"] else {}
         model = MoETransformer(moe_config(run["preset"], **overrides)).to(device)
@@ -179,6 +194,10 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     n = min(48, model.config.context - len(prompt))
     if kind == "dflash":  # the drafter's worth is its acceptance: greedy tau on this prompt
         ids, stats = dflash_generate(model.target, model, prompt, n, stop_token=None)
+        model.train()
+        return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
+    if kind == "eagle3":  # likewise: greedy tau of 4-token chains
+        ids, stats = eagle_generate(model.target, model, prompt, n, k=4, stop_token=None)
         model.train()
         return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
@@ -235,8 +254,9 @@ def main(argv=None):
     torch.manual_seed(run["seed"])
     model = build_model(run, device, ckpt, out / "ckpt.pt")
     config = model.config
-    if run["model"] == "dflash":
-        print(f"model: dflash drafter (B {config.block_size}, features {config.feature_layers}) for {run['target']} | "
+    if run["model"] in DRAFTERS:
+        shape = f"B {config.block_size}" if run["model"] == "dflash" else f"K {config.steps_ahead}"
+        print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
         print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
@@ -245,9 +265,10 @@ def main(argv=None):
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
-        if run["model"] not in ("dflash", "ar"):
-            raise UserError("--regenerate trains a draft on its target's text: use --model dflash or ar with --target")
-        target = model.target if run["model"] == "dflash" else load_target(run, device)
+        if run["model"] not in (*DRAFTERS, "ar"):
+            raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
+                            "with --target")
+        target = model.target if run["model"] in DRAFTERS else load_target(run, device)
         out.mkdir(parents=True, exist_ok=True)
         train_tokens = load_or_regenerate(out / "regenerated.u16", target, train_tokens, run["regenerate"], run["seed"])
     window = config.context + extra

@@ -107,9 +107,18 @@ def check_block_counts(out, stats, rounds, B, prompt_length):
     assert stats["target_forwards"] == stats["rounds"] + (prompt_length > 1)
     accepted = sum(r["accepted"] for r in rounds)
     assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
-    if stats["proposed"]:
-        assert stats["alpha"] == accepted / stats["proposed"]
+    assert_alpha(stats, rounds, accepted)
     assert stats["tau"] == len(out) / stats["rounds"] and 1 <= stats["tau"] <= B
+
+
+def assert_alpha(stats, rounds, accepted):
+    """Chain drafts: alpha = accepted / judged, a round judging its drafts up to the first rejection.
+    Trees (rounds without "drafts") have no single acceptance rate."""
+    chain = all("drafts" in r for r in rounds)
+    rejected = sum(r["accepted"] < len(r["drafts"]) for r in rounds) if chain else None
+    assert stats["rejected"] == rejected
+    judged = accepted + (rejected or 0)
+    assert stats["alpha"] == (accepted / judged if chain and judged else None)
 
 
 def assert_caches_equal(*pairs):

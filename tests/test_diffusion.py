@@ -1,7 +1,9 @@
 """Spec: the masked-diffusion forward process, the ELBO loss and the likelihood bound.
 
 The bound is checked against a toy "model" that knows its data distribution exactly: a joint
-over 3 tokens x 3 positions, whose denoiser returns the true conditionals p(x_i | unmasked).
+over 3 tokens x 3 positions, whose denoiser returns the true conditionals p(x_i | unmasked);
+shifted (output i scores position i+1, the alignment a model adapted from an AR one keeps), it
+bounds the NLL of positions 1..T-1 given position 0.
 """
 import itertools
 import math
@@ -10,8 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tinydiff.diffusion import EPS, add_noise, elbo, masked_token_ce, mdlm_loss, sample_t
+from tinydiff.diffusion import EPS, add_noise, elbo, masked_token_ce, mdlm_loss, noise, sample_t
 from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 Z = 4.0  # z-score for "within Monte-Carlo error": a false failure has probability ~6e-5
@@ -43,8 +46,9 @@ def test_masking_is_monotone_in_t_with_shared_uniforms():
 class ExactDenoiser(nn.Module):
     """Returns log p(x_i = v | the unmasked positions) under a known joint over {0,1,2}^3."""
 
-    def __init__(self, joint):
+    def __init__(self, joint, shift=False):
         super().__init__()
+        self.config = ModelConfig(causal=False, shift=shift)
         self.seqs = torch.tensor(list(itertools.product(range(3), repeat=3)))  # (27, 3)
         self.joint = joint  # (27,)
 
@@ -55,22 +59,22 @@ class ExactDenoiser(nn.Module):
         marginal = torch.einsum("bs,siv->biv", w, onehot)  # (B, 3, 3)
         logits = torch.full((*noisy.shape, VOCAB_SIZE), float("-inf"), dtype=torch.float64)
         logits[..., :3] = (marginal / marginal.sum(-1, keepdim=True)).log()
-        return logits
+        return logits.roll(-1, 1) if self.config.shift else logits  # shifted: output i holds position i+1
 
 
 def exact_count_bound(model, x):
     """LLaDA's exact-count form, enumerated: sum over l of (1/l) * E_{|M|=l}[sum over M of CE] / T.
     Equal in expectation to the 1/t-weighted estimator (the integral of Binom(l; T, t)/t is 1/l)."""
-    T = x.shape[1]
+    positions = range(int(model.config.shift), x.shape[1])  # a shifted model never masks position 0
     total = torch.zeros(x.shape[0], dtype=torch.float64)
-    for l in range(1, T + 1):
-        subsets = list(itertools.combinations(range(T), l))
+    for l in range(1, len(positions) + 1):
+        subsets = list(itertools.combinations(positions, l))
         for subset in subsets:
             masked = torch.zeros_like(x, dtype=torch.bool)
             masked[:, list(subset)] = True
             noisy = torch.where(masked, torch.full_like(x, MASK), x)
             total += masked_token_ce(model, x, noisy, masked).sum(1) / (l * len(subsets))
-    return total / T  # (B,) nats per token
+    return total / len(positions)  # (B,) nats per scored token
 
 
 @pytest.fixture
@@ -84,10 +88,14 @@ def test_bound_is_exact_for_the_true_denoiser(joint):
     model = ExactDenoiser(joint)
     x = model.seqs  # all 27 sequences
     torch.testing.assert_close(exact_count_bound(model, x) * 3, -joint.log())
+    first = joint.view(3, 9).sum(1).repeat_interleave(9)  # p(x_0) of each sequence
+    shifted = ExactDenoiser(joint, shift=True)
+    torch.testing.assert_close(exact_count_bound(shifted, x) * 2, -(joint / first).log())  # -log p(x_1, x_2 | x_0)
 
 
-def test_estimator_mean_matches_the_exact_count_estimator(joint):
-    wrong = ExactDenoiser(joint.flip(0))  # a denoiser for a different distribution
+@pytest.mark.parametrize("shift", [False, True])
+def test_estimator_mean_matches_the_exact_count_estimator(joint, shift):
+    wrong = ExactDenoiser(joint.flip(0), shift)  # a denoiser for a different distribution
     x = wrong.seqs
     exact = exact_count_bound(wrong, x).mean().item()
     est = elbo(wrong, x, mc=400, generator=torch.Generator().manual_seed(0))
@@ -113,7 +121,7 @@ class JunkAtUnmasked(nn.Module):
 
     def __init__(self, base):
         super().__init__()
-        self.base = base
+        self.base, self.config = base, base.config
 
     def forward(self, noisy, causal=False):
         logits = self.base(noisy, causal=causal)
@@ -149,3 +157,16 @@ def test_elbo_input_checks(tiny_model):
         elbo(tiny_model, torch.full((1, 4), MASK))
     bpb = elbo(tiny_model, torch.zeros(2, 4, dtype=torch.long), mc=2, n_bytes=10)
     assert bpb["bits_per_byte"] == pytest.approx(bpb["bound"] * 8 / (10 * math.log(2)))
+
+
+def test_a_shifted_model_never_masks_position_0_and_scores_from_the_output_before():
+    model = ExactDenoiser(torch.full((27,), 1 / 27, dtype=torch.float64), shift=True)
+    x = torch.randint(0, 3, (256, 3), generator=torch.Generator().manual_seed(0))
+    noisy, masked = noise(model, x, torch.full((256,), 0.99), torch.Generator().manual_seed(1))
+    assert not masked[:, 0].any() and torch.equal(noisy[:, 0], x[:, 0]) and masked[:, 1:].float().mean() > 0.95
+    logits = torch.randn(1, 3, VOCAB_SIZE)
+    logits[..., MASK] = float("-inf")  # what SUBS does anyway
+    model.forward = lambda noisy, causal=False: logits  # output 0 scores position 1, output 1 position 2
+    ce = masked_token_ce(model, x[:1], noisy[:1], torch.tensor([[False, True, True]]))
+    expected = -logits[0, :2].log_softmax(-1)[[0, 1], x[0, 1:]]
+    torch.testing.assert_close(ce[0], torch.cat([torch.zeros(1), expected]))

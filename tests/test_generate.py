@@ -108,6 +108,21 @@ def test_dflash_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
     assert "not a dflash drafter" in res.stderr.strip().splitlines()[-1]
 
 
+def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
+    from tinydiff.eagle import EagleConfig, EagleHead
+    torch.manual_seed(4)
+    head = EagleHead(EagleConfig.for_target(tiny_model.config), tiny_model)
+    save_checkpoint(tmp_path / "head.pt", kind="eagle3", config=head.config, model=head)
+    common = ["--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 12, "--temperature", 0, "--json"]
+    ar = json.loads(run(*common).stdout)
+    chain = json.loads(run(*common, "--method", "eagle3", "--drafter", tmp_path / "head.pt", "--k", 3).stdout)
+    tree = json.loads(run(*common, "--method", "eagle3", "--drafter", tmp_path / "head.pt", "--budget", 8).stdout)
+    assert chain["ids"] == tree["ids"] == ar["ids"]
+    assert len(chain["stats"]["accepted"]) == 4 and tree["stats"]["nodes_per_round"] <= 8
+    res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "eagle3", "--drafter", ckpt)
+    assert "not a eagle3 drafter" in res.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
@@ -133,6 +148,9 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for k in (2, 4, 8):
         spec = rows[f"spec-k{k}"]
         assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
+        assert spec["predicted_with_verify_cost"] == pytest.approx(
+            spec["predicted_speedup"] * (k * report["draft_target_cost_c"] + 1)
+            / (k * report["draft_target_cost_c"] + spec["verify_cost"]))
         assert len(spec["accepted_hist"]) == k + 1
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
     assert report["draft_target_cost_c"] > 0
@@ -140,6 +158,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         tree = rows[f"ddtree-n{n}"]
         assert 0 < tree["tau"] <= 16 and 0 < tree["nodes_per_round"] <= n  # tau counts the prefill forward too
         assert tree["speedup_vs_dflash"] == pytest.approx(tree["tokens_per_s"] / rows["dflash-b16"]["tokens_per_s"])
+    assert 0 < rows["eagle3-chain"]["tau"] <= 5 and 0 <= rows["eagle3-chain"]["alpha"] <= 1  # a prefill forward too
+    assert rows["eagle3-tree"]["alpha"] is None and 0 < rows["eagle3-tree"]["nodes_per_round"] <= 32
     for name in ("diffusion", "diffusion-cached"):  # one token per denoising step
         assert rows[name]["target_forwards_per_token"] == 1
     assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1

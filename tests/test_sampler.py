@@ -1,5 +1,8 @@
 """Spec: the diffusion samplers, step by step. Every step is recorded through the callback and
 checked against a recomputation of that step from the canvas before it."""
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -101,11 +104,56 @@ def test_same_seed_same_tokens(model):
         assert sample(1, **kw) == sample(1, **kw) != sample(2, **kw)
 
 
+@pytest.fixture(scope="module")
+def shifted(model):
+    """The same weights read the way a model adapted from an AR one is: output i predicts i+1."""
+    twin = copy.deepcopy(model)
+    twin.config = replace(model.config, shift=True)
+    return twin
+
+
+@pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("steps, block_length, threshold", [(16, 8, None), (8, 4, None), (4, 16, None), (16, 8, 0.5)])
-def test_cached_equals_uncached_block_causal(model, steps, block_length, threshold):
+def test_cached_equals_uncached_block_causal(model, shifted, shift, steps, block_length, threshold):
+    model = shifted if shift else model
     a, sa = generate(model, PROMPT, 16, steps, block_length, threshold=threshold, block_causal=True)
     b, sb = generate_cached(model, PROMPT, 16, steps, block_length, threshold=threshold)
     assert a == b and sa["forwards"] == sb["forwards"]
+
+
+class PositionEcho(torch.nn.Module):
+    """Output j is sure of token 100 + j, whatever the input: shows which output the sampler reads."""
+
+    def __init__(self, shift):
+        super().__init__()
+        self.config = ModelConfig(context=64, causal=False, shift=shift)
+        self.embed = torch.nn.Embedding(1, 1)
+
+    def forward(self, idx, causal=None, mask=None, cache=None):
+        n = idx.shape[1]
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.length += n
+        logits = torch.zeros(1, n, self.config.vocab_size)
+        logits[0, torch.arange(n), 100 + past + torch.arange(n)] = 50.0
+        return logits
+
+    def new_cache(self, batch_size):
+        return TokenCounter()
+
+
+class TokenCounter:
+    length = 0
+
+    def crop(self, n):
+        self.length = n
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("sampler", [generate, generate_cached])
+def test_a_shifted_model_is_read_one_output_earlier(shift, sampler):
+    ids, _ = sampler(PositionEcho(shift), PROMPT, 16, 8, 8)
+    assert ids == [100 + i - shift for i in range(len(PROMPT), len(PROMPT) + 16)]
 
 
 @pytest.mark.parametrize("kwargs, message", [

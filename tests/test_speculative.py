@@ -12,8 +12,8 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, TableModel, assert_follows_the_joint, exact_joint, one_hot,
-                           perturbed, random_model, recorder)
+from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, TableModel, TokenCache, assert_alpha, assert_follows_the_joint,
+                           exact_joint, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 from tinydiff.ar import ar_generate
@@ -33,8 +33,7 @@ def check_counts(out, stats, rounds, k):
     assert stats["proposed"] == stats["draft_forwards"] == sum(len(r["drafts"]) for r in rounds)
     accepted = sum(r["accepted"] for r in rounds)
     assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
-    if stats["proposed"]:
-        assert stats["alpha"] == accepted / stats["proposed"]
+    assert_alpha(stats, rounds, accepted)
     assert stats["tau"] == len(out) / stats["target_forwards"]
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
@@ -217,6 +216,40 @@ def test_leviathan_formulas():
         expected_tokens_per_round(1.5, 2)
     with pytest.raises(UserError):
         leviathan_speedup(0.5, 2, -1)
+
+
+class Constant(torch.nn.Module):
+    """The same next-token distribution after every prefix: drafts are then accepted independently,
+    each with probability sum(min(p, q)), exactly the model behind Leviathan's formula."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.config, self.embed = ModelConfig(context=2048), torch.nn.Embedding(1, 1)
+        self.logits = torch.full((self.config.vocab_size,), float("-inf"))
+        self.logits[:len(probs)] = torch.tensor(probs).log()
+
+    def new_cache(self, batch_size=1):
+        return TokenCache()
+
+    def forward(self, x, cache, causal=True):
+        cache.tokens += x[0].tolist()
+        cache.length = len(cache.tokens)
+        return self.logits.expand(1, x.shape[1], -1)
+
+
+def test_alpha_estimates_the_per_draft_acceptance_probability():
+    """With independent acceptances at beta = 0.6, alpha (accepted / judged) lands within 4 standard
+    errors of beta at k = 8, and tau of Leviathan's (1 - beta^9) / (1 - beta); accepted / proposed
+    (drafts after a rejection counted as rejected) would be about 0.18."""
+    target, draft = Constant([0.7, 0.1, 0.1, 0.1]), Constant([0.3, 0.5, 0.1, 0.1])
+    beta, k = 0.6, 8
+    _, stats = speculative_generate(target, draft, [0], 1500, k, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(0), stop_token=None)
+    judged = sum(n * c for n, c in enumerate(stats["accepted"])) + stats["rejected"]
+    assert abs(stats["alpha"] - beta) < 4 * math.sqrt(beta * (1 - beta) / judged)
+    per_round = [n + 1 for n, c in enumerate(stats["accepted"]) for _ in range(c)]
+    spread = torch.tensor(per_round, dtype=torch.float64).std().item() / math.sqrt(len(per_round))
+    assert abs(stats["tau"] - expected_tokens_per_round(beta, k)) < 4 * spread
 
 
 # Distribution: at temperature > 0 the committed tokens must follow the target's joint exactly.

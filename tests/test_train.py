@@ -138,6 +138,18 @@ def test_moe_token_training_then_block_fine_tune(story_file, tmp_path):
         train.main(argv(story_file, tmp_path / "y", "--routing", "block"))
 
 
+def test_an_ar_checkpoint_starts_a_shifted_diffusion_run(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "ar", "--max-steps", "2", kind="ar"))
+    ar = load_checkpoint(tmp_path / "ar" / "ckpt.pt")
+    train.main(argv(story_file, tmp_path / "mdlm", "--init", str(tmp_path / "ar" / "ckpt.pt"), "--max-steps", "2"))
+    mdlm = load_checkpoint(tmp_path / "mdlm" / "ckpt.pt")
+    assert mdlm["kind"] == "mdlm" and mdlm["step"] == 2
+    assert mdlm["config"] == {**ar["config"], "causal": False, "shift": True}  # Dream's adaptation
+    assert all(not torch.equal(ar["model"][k], mdlm["model"][k]) for k in ar["model"] if "norm" not in k)
+    with pytest.raises(UserError, match="holds a mdlm model, not ar"):
+        train.main(argv(story_file, tmp_path / "x", "--init", str(tmp_path / "mdlm" / "ckpt.pt"), kind="ar"))
+
+
 def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, tmp_path, tiny_model, tiny_config,
                                                                     monkeypatch):
     from tinydiff.checkpoint import save_checkpoint
@@ -161,6 +173,11 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
     with pytest.raises(UserError, match="needs --target"):
         train.main(["--model", "dflash", "--data", str(story_file), "--out", str(tmp_path / "x")])
+    eagle = ["--model", "eagle3", "--target", str(tmp_path / "target.pt"), "--steps-ahead", "2", *common[6:]]
+    train.main([*eagle, "--out", str(tmp_path / "eagle")])
+    head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")
+    assert head["kind"] == "eagle3" and head["config"]["steps_ahead"] == 2 and head["step"] == 4
+    assert not any(k.startswith(("embed.", "blocks.")) for k in head["model"])  # the head's own weights only
     with pytest.raises(UserError, match="--regenerate trains a draft"):
         train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))
     with pytest.raises(UserError, match="needs --target"):

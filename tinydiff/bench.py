@@ -14,6 +14,7 @@ For the diffusion rows the "target" is the diffusion LM: one forward = one denoi
 `diffusion` commits one token per step (LLaDA, blocks of 32), `diffusion-threshold` every token
 at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache.
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
+`--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/report.py.
 """
 import argparse
 import json
@@ -31,9 +32,10 @@ from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.diffusion import elbo
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
+from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer, preset
-from tinydiff.speculative import leviathan_speedup
+from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
 from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, Tokenizer
 
@@ -61,7 +63,8 @@ def measure(method, models, prompts, args) -> dict:
     """Sum a method's counts over all prompts (after one untimed warm-up run).
 
     Every method reports new_tokens, seconds and target_forwards; speculative ones also an
-    accepted-count histogram and the drafts proposed, from which alpha follows.
+    accepted-count histogram, the drafts proposed and, for chains, the rounds that rejected one,
+    from which alpha (accepted / judged) follows.
     """
     generator = torch.Generator(args.device).manual_seed(args.seed)
     method(models, prompts[0], args, generator)
@@ -85,7 +88,8 @@ def measure(method, models, prompts, args) -> dict:
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
-        row["alpha"] = accepted / totals["proposed"] if totals.get("proposed") else None
+        judged = accepted + totals.get("rejected", 0)
+        row["alpha"] = accepted / judged if "rejected" in totals and judged else None
     return row
 
 
@@ -105,6 +109,11 @@ def load_models(args) -> dict:
     else:
         print("notice: no --drafter, timing an untrained DFlash drafter", file=sys.stderr)
         models["drafter"] = DFlashDrafter(DFlashConfig.for_target(models["target"].config), models["target"])
+    if args.eagle:
+        models["eagle"] = head_from(load_checkpoint(args.eagle), models["target"], args.eagle)
+    else:
+        print("notice: no --eagle, timing an untrained EAGLE-3 head", file=sys.stderr)
+        models["eagle"] = EagleHead(EagleConfig.for_target(models["target"].config), models["target"])
     if args.moe:
         models["moe"], _ = load_model(args.moe, args.device, kinds=("mdlm-moe",))
     else:
@@ -131,7 +140,7 @@ def heldout_nll(models, args, tokenizer, wanted) -> dict:
             scored = windows[:, 1:]
         else:
             nll = elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
-            scored = windows
+            scored = windows[:, 1:] if model.config.shift else windows  # diffusion.scored_tokens
         n_bytes = sum(len(tokenizer.decode(row).encode()) for row in scored.tolist())
         out[name] = (nll, nll * scored.numel() / (n_bytes * math.log(2)))
     return out
@@ -142,6 +151,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
     p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint trained for --ckpt (default: an untrained one)")
+    p.add_argument("--eagle", help="EAGLE-3 head checkpoint trained for --ckpt (default: an untrained one)")
     p.add_argument("--moe", help="mixture-of-experts diffusion LM checkpoint (default: an untrained tiny one)")
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
@@ -152,6 +162,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the table as JSON to this path")
+    p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
+                   "methods on held-out story openings, write DIR/RESULTS.md and DIR/plots/")
+    p.add_argument("--report-preset", default="tiny", help="with --report: smoke (a one-minute pipeline check), "
+                   "tiny (under 30 CPU minutes) or 13m (a GPU)")
     return p.parse_args(argv)
 
 
@@ -163,6 +177,9 @@ def main(argv=None):
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
     if not 1 <= args.prompts <= len(PROMPTS):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}], got {args.prompts}")
+    if args.report:  # imported here: tinydiff.report builds on this module
+        from tinydiff.report import write_report
+        return write_report(args, methods)
     tokenizer = Tokenizer()
     prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
     models = load_models(args)
@@ -176,6 +193,9 @@ def main(argv=None):
     args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),
                           forward_seconds(models["target"], prompts[0], reps=16))
     c = args.forward_costs[0] / args.forward_costs[1]
+    # His formula prices a verify at one target step; what it costs here, over k+1 tokens:
+    verify_cost = {k: forward_seconds(models["target"], prompts[0], reps=16, new_tokens=k + 1) / args.forward_costs[1]
+                   for k in (2, 4, 8)}
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
         nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
@@ -185,22 +205,29 @@ def main(argv=None):
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar_speed if ar_speed else None
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
-            row["predicted_speedup"] = leviathan_speedup(row["alpha"], int(row["method"][len("spec-k"):]), c)
+            k = int(row["method"][len("spec-k"):])
+            row["predicted_speedup"] = leviathan_speedup(row["alpha"], k, c)
+            row["verify_cost"] = verify_cost[k]
+            row["predicted_with_verify_cost"] = expected_tokens_per_round(row["alpha"], k) / (k * c + verify_cost[k])
     report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
     print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
           f"temperature {args.temperature}")
     print(f"{'method':<22}{'tokens/s':>10}{'target fwd/token':>18}{'tau':>7}{'speedup vs ar':>15}"
-          f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}")
+          f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}{'+verify cost':>14}")
     for r in rows:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         quality = (f"{r['heldout_nll']:>13.3f}{r['heldout_bpb']:>11.3f}" if r["heldout_nll"] is not None
                    else f"{'-':>13}{'-':>11}")
         alpha = f"{r['alpha']:>7.2f}" if r.get("alpha") is not None else f"{'-':>7}"
         predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        costed = f"{r['predicted_with_verify_cost']:.2f}x" if "predicted_with_verify_cost" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
-              f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}")
-    print("tau: new tokens per target forward (bonus included); alpha: accepted drafts / proposed")
-    print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))")
+              f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}{costed:>14}")
+    print("tau: new tokens per target forward (bonus included); alpha: accepted / judged drafts (a round "
+          "judges its drafts up to the first rejection)")
+    print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); "
+          f"+verify cost replaces the 1 by v, a (k+1)-token target forward's cost in target steps: "
+          + ", ".join(f"v(k={k}) = {v:.2f}" for k, v in verify_cost.items()))
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
     dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
     for r in rows:

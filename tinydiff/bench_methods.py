@@ -2,14 +2,16 @@
 
 A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
-(`accepted`) and the drafts `proposed`. `models` holds "target" (the AR model), "draft" (the small
-AR draft), "drafter" (the DFlash drafter), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
+(`accepted`), the drafts `proposed` and, for chains, the rounds that `rejected` a draft. `models`
+holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFlash drafter),
+"eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 from tinydiff.ar import ar_generate
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
+from tinydiff.eagle_decode import eagle_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate
@@ -34,8 +36,19 @@ def run_spec(models, prompt, args, generator, k):
     """The draft proposes k tokens, the target verifies them in one forward."""
     ids, stats = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
                                       args.temperature, generator=generator, stop_token=None)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
-            "accepted": stats["accepted"], "proposed": stats["proposed"]}
+    return chain_counts(ids, stats)
+
+
+def chain_counts(ids, stats):
+    """What the bench sums for a chain-drafting method."""
+    keep = ("seconds", "target_forwards", "accepted", "proposed", "rejected")
+    return {"new_tokens": len(ids), **{key: stats[key] for key in keep}}
+
+
+def tree_counts(ids, stats):
+    """What the bench sums for a tree-drafting method: nodes verified instead of drafts judged."""
+    keep = ("seconds", "target_forwards", "accepted", "rounds")
+    return {"new_tokens": len(ids), "nodes": stats["proposed"], **{key: stats[key] for key in keep}}
 
 
 def run_ssd(models, prompt, args, generator, fan_out, k=4):
@@ -43,24 +56,29 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
     ids, stats = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
                               args.temperature, generator=generator, stop_token=None, threaded=True,
                               costs=args.forward_costs)
-    keep = ("target_forwards", "accepted", "proposed", "hits", "lookups", "modelled_seconds_sd", "modelled_seconds_ssd")
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], **{key: stats[key] for key in keep}}
+    keep = ("hits", "lookups", "modelled_seconds_sd", "modelled_seconds_ssd")
+    return {**chain_counts(ids, stats), **{key: stats[key] for key in keep}}
 
 
 def run_dflash(models, prompt, args, generator, block_size):
     """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies."""
     ids, stats = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
                                  args.temperature, generator=generator, stop_token=None)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
-            "accepted": stats["accepted"], "proposed": stats["proposed"]}
+    return chain_counts(ids, stats)
 
 
 def run_ddtree(models, prompt, args, generator, budget):
     """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward."""
     ids, stats = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
                                  args.temperature, generator=generator, stop_token=None)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["target_forwards"],
-            "accepted": stats["accepted"], "rounds": stats["rounds"], "nodes": stats["proposed"]}
+    return tree_counts(ids, stats)
+
+
+def run_eagle(models, prompt, args, generator, k, budget=None):
+    """The EAGLE-3 head drafts a chain of k tokens, or a tree of `budget` nodes k deep, 4 wide."""
+    ids, stats = eagle_generate(models["target"], models["eagle"], prompt, args.new_tokens, k, budget, 4,
+                                args.temperature, generator=generator, stop_token=None)
+    return chain_counts(ids, stats) if budget is None else tree_counts(ids, stats)
 
 
 def run_dmoe(models, prompt, args, generator, routing):
@@ -86,6 +104,8 @@ METHODS = {
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
     **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},
+    "eagle3-chain": lambda *a: run_eagle(*a, k=4),
+    "eagle3-tree": lambda *a: run_eagle(*a, k=6, budget=32),
     "diffusion": run_diffusion,
     "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
     "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
@@ -93,6 +113,5 @@ METHODS = {
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
-USES = {"ar": "target", "spec-k2": "target", "spec-k4": "target", "spec-k8": "target",
-        "dflash-b8": "target", "dflash-b16": "target", **{f"ddtree-n{n}": "target" for n in (8, 16, 32, 64, 128)}, "ssd-f1": "target", "ssd-f3": "target", "ssd-f8": "target",
+USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion", "dmoe"))},
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

@@ -186,7 +186,7 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
 
     Returns (new ids, stats) with dflash_generate's keys:
       rounds, accepted (histogram over the accepted depth 0..B-1), proposed (tree nodes verified),
-      alpha (accepted / proposed: low by design, most nodes are alternatives), tau (new tokens per
+      rejected and alpha (None: a tree has no single acceptance rate; most nodes are alternatives), tau (new tokens per
       round, bonus included, 1..B), target_forwards (rounds + the prefill), draft_forwards (one per
       round that drafted), new_tokens, seconds, tokens_per_s;
     and nodes_per_round (proposed / rounds: the tree rows each verify forward computes).

@@ -88,7 +88,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     round), seq (prompt + everything committed), target_cache, draft_cache (both rolled back).
 
     Returns (new ids, stats) with speculative_generate's keys:
-      rounds, accepted (histogram over n = 0..B-1), proposed, alpha (accepted / proposed),
+      rounds, accepted (histogram over n = 0..B-1), proposed, rejected, alpha (accepted / judged),
       tau (new tokens per round, bonus included, 1..B), target_forwards (rounds + the prefill),
       draft_forwards (one per round that drafted), new_tokens, seconds, tokens_per_s.
     """
@@ -103,7 +103,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     device = target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, draft_forwards = [0] * B, 0, 0
+    hist, proposed, rejected, draft_forwards = [0] * B, 0, 0, 0
     start = time.perf_counter()
     prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
@@ -132,9 +132,10 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])  # the inputs now committed
         hist[n] += 1
         proposed += n_drafts
+        rejected += n < n_drafts
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, round_stats(out, hist, proposed, draft_forwards, start, device, prefill)
+    return out, round_stats(out, hist, proposed, draft_forwards, start, device, prefill, rejected)

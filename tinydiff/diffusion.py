@@ -13,6 +13,11 @@ signal only, not a likelihood.
 SUBS parameterisation: the MASK logit is -inf (the clean data has no MASKs), and unmasked
 positions carry no loss (their prediction is the input, copied through).
 
+Shifted models (`config.shift`, Dream 7B's "shift operation"): a diffusion LM adapted from an AR
+checkpoint (train.py --init AR_CKPT) keeps the AR head's alignment, so the prediction for position
+i is read at output i-1. Position 0 then has no output to predict it: it is never masked, and the
+bound covers positions 1..T-1 (the first token is context, as in an AR model's window).
+
 Leaves out: timestep conditioning, other noise schedules (this is the linear one, alpha_t = 1 - t),
 the low-variance "exact count" estimator for training (used here only to test the bound).
 Samplers live in tinydiff/sampler.py.
@@ -56,11 +61,28 @@ def subs_logits(logits, inplace: bool = False):
     return logits
 
 
+def noise(model, x, t, generator=None):
+    """add_noise for this model: a shifted model's position 0 stays clean (nothing predicts it)."""
+    noisy, masked = add_noise(x, t, generator=generator)
+    if model.config.shift:
+        noisy[:, 0], masked[:, 0] = x[:, 0], False
+    return noisy, masked
+
+
+def scored_tokens(model, x) -> int:
+    """How many tokens of x (B, T) the bound covers: all, or all but each row's first when shifted."""
+    B, T = x.shape
+    return B * (T - 1 if model.config.shift else T)
+
+
 def masked_token_ce(model, x, noisy, masked):
     """-log p(x_i | noisy) at masked positions, 0 elsewhere: (B, T) float32."""
     logits = subs_logits(model(noisy, causal=False).float(), inplace=True)  # (B, T, V)
-    ce = F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
-    return ce * masked
+    # A shifted model's output i scores token i+1; rolling the targets (not the large logits) avoids
+    # a copy. The wrapped-around target of the last output lands on position 0, which is never masked.
+    target = x.roll(-1, 1) if model.config.shift else x
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(x.shape)
+    return (ce.roll(1, 1) if model.config.shift else ce) * masked
 
 
 def mdlm_loss(model, x, generator=None):
@@ -69,11 +91,10 @@ def mdlm_loss(model, x, generator=None):
     stats: elbo (the bound, nats/token; equal to the loss) and masked_ce (unweighted CE over
     the masked tokens; not a likelihood).
     """
-    B, T = x.shape
-    t = sample_t(B, generator, x.device)
-    noisy, masked = add_noise(x, t, generator=generator)
+    t = sample_t(len(x), generator, x.device)
+    noisy, masked = noise(model, x, t, generator)
     ce = masked_token_ce(model, x, noisy, masked)  # (B, T)
-    loss = (ce / t[:, None]).sum() / (B * T)
+    loss = (ce / t[:, None]).sum() / scored_tokens(model, x)
     masked_ce = ce.sum() / masked.sum().clamp(min=1)
     return loss, {"elbo": loss.detach(), "masked_ce": masked_ce.detach()}
 
@@ -84,7 +105,8 @@ def elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = None) -> d
 
     Returns bound (nats/token), stderr (its Monte-Carlo standard error over the draws),
     ppl_bound (exp(bound): perplexity <= this), and, given the byte length of the text the
-    tokens encode, bits_per_byte (an upper bound too).
+    scored tokens encode (scored_tokens: a shifted model's rows minus their first), bits_per_byte
+    (an upper bound too).
     """
     if mc < 2:
         raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
@@ -92,16 +114,15 @@ def elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = None) -> d
         raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
     if (x == MASK).any():
         raise UserError("elbo scores clean text; the input holds MASK tokens")
-    B, T = x.shape
     draws = []
     for _ in range(mc):
-        t = sample_t(B, generator, x.device)
-        noisy, masked = add_noise(x, t, generator=generator)
+        t = sample_t(len(x), generator, x.device)
+        noisy, masked = noise(model, x, t, generator)
         ce = masked_token_ce(model, x, noisy, masked)
-        draws.append(float((ce / t[:, None]).sum() / (B * T)))
+        draws.append(float((ce / t[:, None]).sum() / scored_tokens(model, x)))
     draws = torch.tensor(draws, dtype=torch.float64)
     bound, stderr = draws.mean().item(), (draws.std() / math.sqrt(mc)).item()
     out = {"bound": bound, "stderr": stderr, "ppl_bound": math.exp(bound)}
     if n_bytes is not None:
-        out["bits_per_byte"] = bound * B * T / (n_bytes * math.log(2))
+        out["bits_per_byte"] = bound * scored_tokens(model, x) / (n_bytes * math.log(2))
     return out

@@ -35,6 +35,7 @@ class ModelConfig:
     d_model: int = 192            # residual stream width
     d_ff: int = 512               # SwiGLU hidden width
     causal: bool = True           # default attention when no mask is given
+    shift: bool = False           # diffusion only: output i predicts token i+1 (Dream's shift, kept from an AR start)
     rope_base: float = 10000.0    # RoPE frequency base
     norm_eps: float = 1e-5        # RMSNorm epsilon
 

@@ -18,6 +18,8 @@ Variants, each off by default:
     itself), inside a block bidirectional: the attention `generate_cached` needs.
 `generate_cached` is the block-causal sampler with a KV cache of the finished prefix (BD3-LM,
 Fast-dLLM): each step runs the current block only. Same tokens as `generate(block_causal=True)`.
+A shifted model (diffusion.py: adapted from an AR checkpoint) predicts position i at output i-1,
+so the block's logits are read one position earlier; the prompt is never empty, so that exists.
 Leaves out: classifier-free guidance, batched prompts, approximate (stale) prefix caching.
 """
 import time
@@ -149,7 +151,8 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
     def block_logits(lo):
         trace.forwards += 1
         logits = model(canvas[None], causal=False, mask=mask)[0]  # (L, V)
-        return logits[lo:lo + block_length]  # positions after the block are never committed
+        first = lo - model.config.shift  # the output that predicts position lo
+        return logits[first:first + block_length]  # positions after the block are never committed
 
     for b in range(blocks):
         lo = P + b * block_length
@@ -178,7 +181,9 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
     The cache holds the prompt and the finished blocks. A block's keys/values are computed once,
     from its final tokens: they ride along with the first step of the next block (one forward
     over [finished block, next block], block-causal), after which the cache keeps the finished
-    block's rows and drops the rest. Every other step runs the current block alone.
+    block's rows and drops the rest. Every other step runs the current block alone, or for a
+    shifted model the block and the finished token before it, whose output predicts the block's
+    first position (that one token stays out of the cache and is recomputed each step).
     """
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
                                      remasking, threshold)
@@ -188,24 +193,18 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
     confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
     cache = model.new_cache(1)
     trace = Trace(callback)
-    pending = (0, P)  # the span not yet in the cache: the prompt, then each finished block
+    shift = int(model.config.shift)
 
     def block_logits(lo):
-        nonlocal pending
         trace.forwards += 1
-        past = cache.length
-        if pending is None:
-            logits = model(canvas[None, lo:lo + block_length], causal=False, cache=cache)[0]
-            cache.crop(past)
-            return logits
-        start, end = pending
-        block_ids = torch.cat([torch.zeros(end - start), torch.ones(block_length)]).to(device)
-        mask = torch.cat([torch.ones(len(block_ids), past, dtype=torch.bool, device=device),
-                          block_causal_mask(block_ids)], 1)  # (n, past + n): prefix, then block-causal
+        start = cache.length  # finished positions not yet cached (block 0 of the mask), then the block
+        block_ids = torch.cat([torch.zeros(lo - start), torch.ones(block_length)]).to(device)
+        mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=device),
+                          block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
         logits = model(canvas[None, start:lo + block_length], mask=mask, cache=cache)[0]
-        cache.crop(past + end - start)
-        pending = None
-        return logits[end - start:]
+        cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
+        first = lo - shift - start  # the output that predicts position lo
+        return logits[first:first + block_length]
 
     for b in range(blocks):
         lo = P + b * block_length
@@ -217,5 +216,4 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
                                generator, confidences)
             trace.step(canvas, b, committed)
             step += 1
-        pending = (lo, lo + block_length)
     return canvas[P:].tolist(), trace.stats(gen_length, device)

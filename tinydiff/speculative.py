@@ -104,7 +104,11 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
       rounds           verification rounds (= target_forwards)
       accepted         histogram: accepted[n] = rounds that accepted n drafts, n = 0..k
       proposed         drafts proposed over all rounds
-      alpha            measured acceptance rate: accepted drafts / proposed (None if none proposed)
+      rejected         rounds that rejected a draft (at most one rejection per round)
+      alpha            acceptance rate, Leviathan's: accepted / (accepted + rejected), the share of
+                       the drafts the target judged that it kept (None if it judged none). Drafts
+                       after a rejection are never judged; counting them (accepted / proposed) would
+                       make alpha fall with k for the same draft.
       tau              new tokens per target forward, the bonus/corrected token included (1..k+1)
       target_forwards  one per round (the prompt's prefill rides along with the first)
       draft_forwards   one per proposed draft
@@ -118,7 +122,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     warp_args = (temperature, top_k, top_p)
     target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed = [0] * (k + 1), 0
+    hist, proposed, rejected = [0] * (k + 1), 0, 0
     start = time.perf_counter()
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
@@ -133,12 +137,13 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         draft_cache.crop(min(draft_cache.length, len(seq) - 1))
         hist[n] += 1
         proposed += n_drafts
+        rejected += n < n_drafts
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, round_stats(out, hist, proposed, proposed, start, target.embed.weight.device)
+    return out, round_stats(out, hist, proposed, proposed, start, target.embed.weight.device, rejected=rejected)
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
@@ -148,19 +153,23 @@ def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
     return tokens, False
 
 
-def round_stats(out, hist, proposed: int, draft_forwards: int, start: float, device, prefill: int = 0) -> dict:
+def round_stats(out, hist, proposed: int, draft_forwards: int, start: float, device, prefill: int = 0,
+                rejected: int | None = None) -> dict:
     """The stats every draft/verify loop reports (see speculative_generate), from its counts.
 
     hist[n] counts rounds that accepted n drafts; prefill is 1 when a separate forward read the
-    prompt before the first round. Waits for the GPU so `seconds` is wall time of real work.
+    prompt before the first round; rejected counts rounds that rejected a draft, for chain
+    drafts (a tree has no single acceptance rate: alpha is None). Waits for the GPU so
+    `seconds` is wall time of real work.
     """
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     rounds = sum(hist)
     accepted = sum(n * count for n, count in enumerate(hist))
-    return {"rounds": rounds, "accepted": hist, "proposed": proposed,
-            "alpha": accepted / proposed if proposed else None, "tau": len(out) / rounds,
+    judged = accepted + (rejected or 0)
+    return {"rounds": rounds, "accepted": hist, "proposed": proposed, "rejected": rejected,
+            "alpha": accepted / judged if rejected is not None and judged else None, "tau": len(out) / rounds,
             "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
             "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
 

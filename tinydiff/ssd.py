@@ -206,15 +206,16 @@ class Overlap:
 
 
 @torch.no_grad()
-def forward_seconds(model, seq, reps: int = 5) -> float:
-    """Median seconds of one single-token KV-cached forward after seq: decoding's unit cost."""
+def forward_seconds(model, seq, reps: int = 5, new_tokens: int = 1) -> float:
+    """Median seconds of one KV-cached forward over `new_tokens` tokens after seq: with 1, decoding's
+    unit cost; with k+1, a speculative round's verification."""
     device = model.embed.weight.device
     cache = model.new_cache(1)
     model(torch.tensor([seq], device=device), cache=cache, causal=True)
     times = []
     for _ in range(reps):
         begin = time.perf_counter()
-        model(torch.tensor([seq[-1:]], device=device), cache=cache, causal=True)
+        model(torch.tensor([seq[-1:] * new_tokens], device=device), cache=cache, causal=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
@@ -263,7 +264,7 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
     target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
     seq, out, speculation, cached = list(prompt), [], None, None
     hist, hits, lookups = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
-    proposed = jit_total = ahead_total = branches = 0
+    proposed = rejected = jit_total = ahead_total = branches = 0
     seconds_jit = seconds_waiting = modelled_ssd = 0.0
     overlap = Overlap(threaded, device)
     start = time.perf_counter()
@@ -301,6 +302,7 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
             draft_cache.crop(min(draft_cache.length, len(seq) - 1))
             hist[n] += 1
             proposed += n_drafts
+            rejected += n < n_drafts
             jit_total += jit
             ahead_total += ahead_forwards
             branches += len(entries)
@@ -326,7 +328,7 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
                 speculation = found if cached else None
     finally:
         overlap.close()
-    stats = round_stats(out, hist, proposed, jit_total + ahead_total, start, device)
+    stats = round_stats(out, hist, proposed, jit_total + ahead_total, start, device, rejected=rejected)
     per_jit_forward = seconds_jit / jit_total if jit_total else draft_s
     avoided = per_jit_forward * (proposed - jit_total)  # proposed drafts not drafted just in time: hits
     modelled_sd = stats["rounds"] * target_s + proposed * draft_s

@@ -1,0 +1,234 @@
+"""EAGLE-3 decoding: the head drafts a chain or a tree with a few tiny forwards; the target verifies it in one.
+
+Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"; the dynamic tree is EAGLE-2's (Li et al. 2024). The head is tinydiff/eagle.py.
+Each round, with committed sequence seq (S tokens): both caches hold rows for seq[:-1] (the head's
+row t: the target's feature of position t with token t+1), and `ready` holds the head's output at
+its newest row: logits for token S and the hidden state that goes with them.
+  chain (budget=None): d_1 ~ q_1 = warp(ready logits); draft step j >= 2 reads [d_{j-1}, the hidden
+            of step j-1] and gives q_j: k-1 head forwards. The target reads [seq[-1], d_1..d_k] in
+            one forward; speculation's rule (speculative.verify: accept with min(1, p/q), resample a
+            rejection from the residual, else a bonus from p_{k+1}) keeps the output the target's
+            distribution at every temperature, and greedy decoding at T = 0.
+  tree (budget=N): EAGLE-2's dynamic tree from ready: each depth, every frontier node offers its top
+            `branch` children (score = sum of the head's log-probs along the path), the best `branch`
+            of those form the next frontier and one head forward reads them all (a node sees the
+            committed rows, its ancestors and itself: ancestor-only mask); after k depths the best N
+            of all offered nodes are kept (a child never outscores its parent, so they form a tree).
+            Verified with DDTree's single forward: ddtree.compile_tree / follow_tree (the target
+            samples its own token at each node and steps into the child that carries it:
+            sample-and-match, lossless at every temperature) / compact_cache. The nodes are fixed
+            top guesses, not samples, so a node is accepted with probability p(node): EAGLE's
+            reference verifies its trees the same way (recursive rejection with q = 1 reduces to
+            this). At T > 0 a sampled chain, accepted with min(1, p/q), can therefore beat a tree.
+  commit:   the target cache is cropped (chain) or compacted (tree); the head never stores its draft
+            rows, and reads the committed rows with the verify forward's target features in one
+            forward, which also gives the next round's `ready`.
+Before the first round a target forward over prompt[:-1] fills both caches (skipped for a one-token
+prompt, whose first round has no feature to draft from and commits the target's one sample).
+
+Leaves out: batches, adapting k or N on the fly, SpecInfer-style trees of sampled drafts (which
+multi-draft rejection sampling could verify at T > 0 with a higher acceptance).
+"""
+import time
+
+import torch
+
+from tinydiff.ar import check_prompt
+from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
+from tinydiff.eagle import EagleHead, check_target, draftable
+from tinydiff.errors import UserError
+from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.speculative import cut_at_stop, round_stats, verify
+from tinydiff.tokenizer import EOT
+
+
+def check_head(target, head):
+    if not isinstance(head, EagleHead):
+        raise UserError(f"the head is a {type(head).__name__}; build one with tinydiff.eagle.EagleHead "
+                        "or load an EAGLE-3 checkpoint (train.py --model eagle3)")
+    check_target(head.config, target)
+    if head.fuse.weight.device != target.embed.weight.device:
+        raise UserError(f"the head is on {head.fuse.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
+
+
+def committed_kv(cache):
+    return cache.k[0][:, :, :cache.length], cache.v[0][:, :, :cache.length]  # (1, H, S-1, D/H) each
+
+
+def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generator=None):
+    """Sample n_drafts tokens: d_1 from the ready logits, then one head forward per further draft.
+
+    Returns drafts (K,), their warped distributions q (K, V) and the head's raw logits (K, V).
+    The draft rows' keys/values are kept here, never in the cache.
+    """
+    if not n_drafts:  # the last round may have no room for drafts, the first none to draft from
+        V, device = head.config.vocab_size, head.fuse.weight.device
+        return (torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device),
+                torch.empty(0, V, device=device))
+    logits, hidden = ready  # (V,), (D,)
+    n, device = cache.length, hidden.device
+    past_k, past_v = committed_kv(cache)
+    drafts, qs, raw = [], [], []
+    for j in range(n_drafts):
+        if j:  # read d_j (at position n + j) with the hidden state of the step that drafted it
+            pos = torch.tensor([n + j], device=device)
+            lg, h, k, v = head(drafts[-1].view(1, 1), hidden.view(1, 1, -1), pos, past_k, past_v)
+            past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+            logits, hidden = lg[0, -1], h[0, -1]
+        q = next_token_probs(logits, *warp_args)  # (V,)
+        drafts.append(sample(q, generator))
+        qs.append(q)
+        raw.append(logits)
+    return torch.stack(drafts), torch.stack(qs), torch.stack(raw)
+
+
+def log_probs(logits):
+    """The head's log-probabilities (..., V) in float32, MASK excluded (never drafted)."""
+    return torch.log_softmax(draftable(logits), -1)
+
+
+def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: int):
+    """EAGLE-2's dynamic tree of up to `budget` nodes and `depth` levels from the ready logits.
+
+    Returns (ddtree.Tree, head forwards spent: depth - 1). Nodes are numbered best-first (score
+    descending, ties by creation), so a parent precedes its children, as ddtree's trees do.
+    """
+    n, device = cache.length, ready[1].device
+    past_k, past_v = committed_kv(cache)
+    tokens, parents, depths, scores = [-1], [-1], [0], [0.0]  # every node offered; 0 is the root
+    row_of, hidden_of = {}, {0: ready[1]}  # node -> its row among the tree rows read, its hidden state
+    frontier, logits = [0], ready[0][None]  # (F, V)
+    forwards = 0
+    for d in range(1, depth + 1):
+        top = torch.topk(log_probs(logits), min(branch, logits.shape[-1]), -1)  # (F, branch): distinct children
+        offered = []
+        for node, values, ids in zip(frontier, top.values.tolist(), top.indices.tolist()):
+            for value, token in zip(values, ids):
+                if value > float("-inf"):  # probability 0 (MASK): never a node
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(d)
+                    scores.append(scores[node] + value)
+                    offered.append(len(tokens) - 1)
+        if d == depth:
+            break
+        frontier = sorted(offered, key=lambda i: -scores[i])[:branch]  # stable: ties keep creation order
+        F_, R = len(frontier), len(row_of)
+        mask = torch.zeros(F_, n + R + F_, dtype=torch.bool)
+        mask[:, :n] = True  # the committed rows
+        for f, node in enumerate(frontier):
+            mask[f, n + R + f] = True  # itself
+            a = parents[node]
+            while a > 0:  # its ancestors' rows (the root is the newest committed row, already visible)
+                mask[f, n + row_of[a]] = True
+                a = parents[a]
+        ids = torch.tensor([[tokens[i] for i in frontier]], device=device)  # (1, F)
+        feats = torch.stack([hidden_of[parents[i]] for i in frontier])[None]  # (1, F, D)
+        pos = torch.full((F_,), n + d, device=device)  # a depth-d token sits at position S-1+d
+        lg, h, k, v = head(ids, feats, pos, past_k, past_v, mask.to(device))
+        forwards += 1
+        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        for f, node in enumerate(frontier):
+            row_of[node], hidden_of[node] = R + f, h[0, f]
+        logits = lg[0]  # (F, V)
+    keep = [0] + sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    index = {node: i for i, node in enumerate(keep)}
+    N = len(keep)
+    visibility = torch.zeros(N, N, dtype=torch.bool)
+    visibility[0, 0] = True
+    for i in range(1, N):  # parents come first: row i = row parent(i) plus i itself
+        visibility[i] = visibility[index[parents[keep[i]]]]
+        visibility[i, i] = True
+    tree = Tree(torch.tensor([tokens[i] for i in keep]), torch.tensor([depths[i] for i in keep]),
+                torch.tensor([-1] + [index[parents[i]] for i in keep[1:]]),
+                torch.tensor([scores[i] for i in keep], dtype=torch.float64), visibility)
+    return tree, forwards
+
+
+def check_shape(k, budget, branch):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise UserError(f"k (drafts per round, the tree's depth) must be an integer >= 1, got {k!r}")
+    if budget is not None:
+        check_budget(budget)
+    if not isinstance(branch, int) or isinstance(branch, bool) or branch < 1:
+        raise UserError(f"branch (children per tree node and frontier width) must be an integer >= 1, got {branch!r}")
+
+
+@torch.no_grad()
+def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
+                   top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids): each round the head drafts a chain of k tokens
+    (budget=None) or a tree of up to `budget` nodes, k deep, `branch` wide; one target forward
+    verifies it and 1..k+1 tokens are committed. Stops after max_new_tokens (None: fill the context)
+    or after emitting stop_token (None: never; tokens after it in the same round are dropped).
+    on_round(info) is called after every round with: drafts (chain) or tree and path (tree),
+    accepted (n), tokens (committed this round), seq (prompt + everything committed), target_cache,
+    draft_cache (the head's; both hold seq[:-1]).
+
+    Returns (new ids, stats) with speculative_generate's keys: rounds, accepted (histogram over
+    n = 0..k), proposed (drafts or tree nodes), rejected and alpha (accepted / judged drafts; None
+    for a tree, which has no single acceptance rate), tau (new tokens per round, bonus included,
+    1..k+1), target_forwards (rounds + the prefill), draft_forwards (head forwards, committed-row
+    reads included), new_tokens, seconds, tokens_per_s; a tree run adds nodes_per_round.
+    """
+    check_shape(k, budget, branch)
+    check_warp_args(temperature, top_k, top_p)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_head(target, head)
+    warp_args, layers = (temperature, top_k, top_p), head.config.feature_layers
+    device, context = target.embed.weight.device, target.config.context
+    target_cache, head_cache = target.new_cache(1), head.new_cache(1)
+    seq, out, ready = list(prompt), [], None
+    hist, proposed, rejected, forwards, prefill = [0] * (k + 1), 0, 0, 0, 0
+    start_time = time.perf_counter()
+    if len(prompt) > 1:
+        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, causal=True,
+                           hidden_layers=layers)
+        ready = head.extend(head_cache, torch.tensor([prompt[1:]], device=device), hidden)
+        prefill, forwards = 1, 1
+    while len(out) < n_new:
+        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        start = target_cache.length  # = len(seq) - 1
+        if budget is None:
+            drafts, q, _ = draft_chain(head, head_cache, ready, depth, warp_args, generator)
+            forwards += max(0, depth - 1)
+            x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+            logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
+            n, token = verify(next_token_probs(logits[0], *warp_args), q, drafts, generator)
+            tokens, rows, info = drafts[:n].tolist() + [token], list(range(n + 1)), {"drafts": drafts.tolist()}
+            proposed += depth
+            rejected += n < depth
+        else:
+            if depth:
+                tree, spent = draft_tree(head, head_cache, ready, depth, branch, min(budget, context - len(seq)))
+                forwards += spent
+            else:  # the root alone: the target's one sample
+                tree = build_tree(torch.empty(0, 1), 1)
+            ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+            logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
+            path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
+            n, tokens, rows = len(path), tree.tokens[path].tolist() + [token], [0, *path]
+            info = {"tree": tree, "path": path}
+            proposed += tree.size
+        tokens, stopped = cut_at_stop(tokens, stop_token)
+        seq += tokens
+        out += tokens
+        rows = rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
+        if budget is None:
+            target_cache.crop(len(seq) - 1)  # drop rejected drafts
+        else:
+            compact_cache(target_cache, start, rows[1:])
+        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in hidden])
+        forwards += 1
+        hist[n] += 1
+        if on_round is not None:
+            on_round({**info, "accepted": n, "tokens": tokens, "seq": list(seq), "target_cache": target_cache,
+                      "draft_cache": head_cache})
+        if stopped:
+            break
+    if budget is None:
+        return out, round_stats(out, hist, proposed, forwards, start_time, device, prefill, rejected)
+    stats = round_stats(out, hist, proposed, forwards, start_time, device, prefill)  # a tree: no single alpha
+    return out, {**stats, "nodes_per_round": proposed / stats["rounds"]}
