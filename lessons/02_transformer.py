@@ -1,7 +1,7 @@
 """Lesson 02: one Transformer, three kinds of attention, and the KV cache.
 
 Run: python lessons/02_transformer.py [--quick]
-Read next: tinydiff/model.py (the code behind every step below), then the diffusion lessons.
+Read next: lessons/03_masking.py; for this lesson's code tinydiff/model.py (every step below).
 
 The same weights serve as an autoregressive model (causal attention: position i sees 0..i) and
 as a masked-diffusion model (bidirectional: every position sees every position). An explicit

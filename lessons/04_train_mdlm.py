@@ -1,7 +1,7 @@
 """Lesson 04: train a masked-diffusion LM in a minute, and watch the bound fall.
 
 Run: python lessons/04_train_mdlm.py [--quick]
-Read next: train.py (the same loop with checkpoints, resume and schedules), lessons/05_sampling.py.
+Read next: lessons/05_sampling.py; train.py is the same loop with checkpoints, resume and schedules.
 
 This is train.py's inner loop with nothing else: random windows of tokens, the ELBO loss of
 tinydiff/diffusion.py, AdamW. The model is the same Transformer as the AR model, run with

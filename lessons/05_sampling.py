@@ -1,7 +1,8 @@
 """Lesson 05: watch the sampler fill the canvas: LLaDA's schedule, threshold decoding, self-correction.
 
 Run: python lessons/05_sampling.py [--quick] [--ckpt out/mdlm-tiny/ckpt.pt]
-Read next: tinydiff/sampler.py (every rule below is a few lines there).
+Read next: lessons/06_speculative.py; for this lesson's code tinydiff/sampler.py (each rule below
+is a few lines there).
 
 The canvas starts as the prompt followed by MASKs. Each step is one forward pass: the model
 proposes a token for every masked position with a confidence, and the sampler commits the most

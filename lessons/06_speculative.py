@@ -1,7 +1,8 @@
 """Lesson 06: speculative decoding. A cheap draft guesses K tokens; the target checks them all at once.
 
 Run: python lessons/06_speculative.py [--quick]
-Read next: tinydiff/speculative.py (the loop), tests/test_speculative.py (the proof it is lossless).
+Read next: lessons/07_dflash.py; for this lesson's code tinydiff/speculative.py (the loop),
+tests/test_speculative.py (the proof it is lossless).
 
 Decoding one token costs one target forward, and on small batches that forward is mostly reading
 weights, so scoring K+1 positions costs about as much as scoring one. Speculative sampling

@@ -1,8 +1,9 @@
 """Lesson 08: DDTree. Verify a whole tree of drafts, picked from one DFlash pass, in one target forward.
 
 Run: python lessons/08_ddtree.py [--quick]
-Read next: tinydiff/ddtree.py (build, compile, follow, compact, the loop), tests/test_ddtree.py (the
-proof that the heap picks the best prefixes, the mask is right and the output is the target's).
+Read next: lessons/09_ssd.py; for this lesson's code tinydiff/ddtree.py (build, compile, follow,
+compact, the loop), tests/test_ddtree.py (the proof that the heap picks the best prefixes, the
+mask is right and the output is the target's).
 
 Lesson 07's drafter fills a block in one forward and the target checks ONE path: the drafter's
 favourite token at every depth. But that forward gave a whole distribution per depth. DDTree

@@ -1,8 +1,8 @@
 """Lesson 09: speculative speculative decoding (SSD). The draft guesses ahead while the target checks.
 
 Run: python lessons/09_ssd.py [--quick]
-Read next: tinydiff/ssd.py (the speculation cache and the loop), tests/test_ssd.py (the proof that
-nothing about the output changes).
+Read next: lessons/10_eagle3.py; for this lesson's code tinydiff/ssd.py (the speculation cache and
+the loop), tests/test_ssd.py (the proof that nothing about the output changes).
 
 In lesson 06 the draft guesses K tokens, then sits idle while the target verifies them, and only
 after the verdict starts guessing again. SSD (Kumar, Dao and May, "Speculative Speculative

@@ -1,7 +1,8 @@
 """Lesson 11: dMoE. Route one block of tokens two ways and count the experts it reads.
 
 Run: python lessons/11_dmoe.py [--quick]
-Read next: tinydiff/dmoe.py (block_routing is fifteen lines), then tests/test_dmoe.py.
+Read next: lessons/12_triton.py; for this lesson's code tinydiff/dmoe.py (block_routing is fifteen
+lines), then tests/test_dmoe.py.
 
 A mixture-of-experts layer sends each token to its top-k experts. An autoregressive model reads
 one token per forward, so k experts. A diffusion LM decodes a whole block per forward, and its

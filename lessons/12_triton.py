@@ -3,7 +3,8 @@
 Run: python lessons/12_triton.py [--quick]
 Read next: tinydiff/kernels/sampler_step.py (this kernel), then masked_attention.py and moe_ffn.py
 (the same ideas with matrix tiles), tests/test_kernels.py, and `python -m tinydiff.kernels.bench`
-on a GPU.
+on a GPU. This is the last lesson: lessons/README.md lists them all, and
+`python -m tinydiff.bench --report docs` measures every method on models it trains itself.
 
 Every diffusion sampler step turns the logits of each position (N, V = 50,258) into a candidate
 token and a confidence. PyTorch does it in a few clear lines (sampler.propose), but each line is

@@ -120,7 +120,7 @@ def test_moe_layer_restacks_its_experts_after_training_and_loading(launches):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_sampler_gives_the_same_tokens_with_the_kernels(temperature, launches):
     """generate (block-causal mask over the whole canvas) and generate_cached (block-causal mask over
-    the cached prefix) on a block-routed dMoE: the same tokens, greedy and, at temperature > 0,
+    the cached prefix, every step) on a block-routed dMoE: the same tokens, greedy and, at temperature > 0,
     for the same seed (the kernel takes propose's uniforms)."""
     torch.manual_seed(4)
     model = MoETransformer(MoEConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False,
@@ -135,7 +135,7 @@ def test_sampler_gives_the_same_tokens_with_the_kernels(temperature, launches):
         ids, ref = both_ways(run)
         assert ids == ref, sample.__name__
     assert launches["sampler"] == 8 + 8  # one per step, 8 steps per run
-    assert launches["attention"] == 2 * (8 + 2)  # 2 layers x (generate: every step + generate_cached: 2 block starts)
+    assert launches["attention"] == 2 * (8 + 8)  # 2 layers x every step of both (each masks its prefix explicitly)
     assert launches["moe"] == 2 * (8 + 8)  # 2 layers x every forward
 
 

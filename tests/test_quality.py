@@ -51,3 +51,9 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
     with pytest.raises(UserError, match="nothing to sample"):
         quality.main(["--judge", str(tmp_path / "ar.pt")])
+    only = quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--samples", "2",
+                         "--gen-length", "8", "--block-length", "4", "--samplers", "diffusion-threshold"])
+    assert [r["sampler"] for r in only] == ["diffusion-threshold"]
+    assert only[0]["gen_ppl"] == by_name["diffusion-threshold"]["gen_ppl"]  # same seeds, same samples
+    with pytest.raises(UserError, match="unknown sampler"):
+        quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--samplers", "best"])

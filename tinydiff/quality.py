@@ -76,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threshold", type=float, default=0.9, help="for diffusion-threshold")
     p.add_argument("--revise", type=int, default=4, help="self-correction steps per block, for diffusion-revise")
+    p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -84,6 +85,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.samples < 1:
         raise UserError(f"--samples must be >= 1, got {args.samples}")
+    wanted = [name.strip() for name in args.samplers.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in SAMPLERS]
+    if unknown or not wanted:
+        raise UserError(f"unknown sampler(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SAMPLERS)}")
     if not (args.mdlm or args.ar):
         raise UserError("nothing to sample from; pass --mdlm and/or --ar checkpoints")
     judge, _ = load_model(args.judge, args.device, kinds=("ar",))
@@ -94,7 +99,8 @@ def main(argv=None):
         models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
     tokenizer = Tokenizer()
     rows = []
-    for name, (key, sample) in SAMPLERS.items():
+    for name in wanted:
+        key, sample = SAMPLERS[name]
         if key not in models:
             continue
         samples, forwards, tokens = [], 0, 0

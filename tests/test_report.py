@@ -1,0 +1,133 @@
+"""Spec: `python -m tinydiff.bench --report DIR` (tinydiff/report.py). From nothing it trains every
+model the bench uses (continuing a run that Ctrl-C stopped), runs every method, and writes its
+section of DIR/RESULTS.md between the markers, keeping the hand-written rest of the file byte for
+byte; a second run reuses the trained models and replaces the section; plots appear exactly when
+matplotlib is importable; a user's mistakes are one-line UserErrors raised before any training."""
+import os
+import signal
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+import train
+from conftest import write_stories
+from tinydiff import bench
+from tinydiff.checkpoint import load_checkpoint, save_checkpoint
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.report import END, PLOTS, ROLES, START, splice
+
+HAND = "\nEvery number here was measured.\n\n## An older section\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+
+
+@pytest.fixture
+def stories(tmp_path):  # enough stories that the validation split holds a 129-token window
+    return write_stories(tmp_path / "stories.txt", 300)
+
+
+def report(stories, *extra):
+    return bench.main(["--report", "docs", "--report-preset", "smoke", "--data", str(stories),
+                       "--new-tokens", "4", "--prompts", "1", "--device", "cpu", *extra])
+
+
+def outside(text):
+    """The file without its generated block."""
+    head, rest = text.split(START)
+    return head + rest.split(END)[1]
+
+
+def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("docs").mkdir()
+    Path("docs/RESULTS.md").write_text("# Results\n" + HAND, encoding="utf-8")
+    root = Path("out/report-smoke")
+    loss_fn, extra = train.OBJECTIVES["ar"]
+
+    def ctrl_c(model, windows, generator):  # as the user would: train.py saves after this step, returns
+        if model.training:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss_fn(model, windows, generator)
+    with monkeypatch.context() as patched:
+        patched.setitem(train.OBJECTIVES, "ar", (ctrl_c, extra))
+        with pytest.raises(UserError, match="interrupted while training .*; run the same command again"):
+            report(stories)
+    assert load_checkpoint(root / "target/ckpt.pt")["step"] == 1
+    assert Path("docs/RESULTS.md").read_text(encoding="utf-8") == "# Results\n" + HAND
+
+    first = report(stories, "--json", "report.json")
+    assert "resuming" in (root / "target/train.log").read_text()
+    for role, (_, kind) in ROLES.items():  # every model trained to the end of its run
+        ckpt = load_checkpoint(root / role / "ckpt.pt")
+        assert ckpt["kind"] == kind and ckpt["step"] == ckpt["args"]["max_steps"] == 2
+    assert load_checkpoint(root / "draft/ckpt.pt")["args"]["target"] == str(root / "target/ckpt.pt")
+    # the drafter and the EAGLE head trained on the very stories the draft did: regenerated once
+    for role in ("drafter", "eagle"):
+        assert (root / role / "regenerated.u16").read_bytes() == (root / "draft/regenerated.u16").read_bytes()
+
+    text = Path("docs/RESULTS.md").read_text(encoding="utf-8")
+    assert text.startswith("# Results\n\n" + START + "\n") and text.count(START) == text.count(END) == 1
+    assert text.split(END + "\n", 1)[1] == HAND  # everything after the title, byte for byte
+    generated = text.split(START)[1].split(END)[0]
+    assert [r["method"] for r in first["rows"]] == list(bench.METHODS)
+    for name in bench.METHODS:
+        assert generated.count(f"\n| {name} | ") == 1
+    rows = {r["method"]: r for r in first["rows"]}
+    assert rows["ar"]["tau"] == rows["ar"]["speedup_vs_ar"] == rows["ar"]["target_forwards_per_token"] == 1
+    assert all(r["heldout_nll"] > 0 for r in first["rows"])
+    assert first["date"] in generated and first["commit"] in generated and first["device"] in generated
+    assert Path("report.json").exists() and len(first["prompts"]) == 1
+
+    plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
+    if find_spec("matplotlib"):
+        assert plots == sorted(PLOTS) and all(f"(plots/{name})" in generated for name in PLOTS)
+    else:
+        assert plots == [] and "Plots skipped" in generated
+
+    logs = {role: (root / role / "train.log").read_text() for role in ROLES}
+    second = report(stories, "--methods", "ar,spec-k2")
+    assert {role: (root / role / "train.log").read_text() for role in ROLES} == logs  # nothing retrained
+    text = Path("docs/RESULTS.md").read_text(encoding="utf-8")
+    assert text.count(START) == text.count(END) == 1 and outside(text) == "# Results\n\n\n" + HAND
+    generated = text.split(START)[1].split(END)[0]
+    assert [r["method"] for r in second["rows"]] == ["ar", "spec-k2"]
+    assert "| ar | " in generated and "| spec-k4 | " not in generated  # replaced, not appended
+    plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
+    assert plots == (["accepted_lengths.png"] if find_spec("matplotlib") else [])  # no stale plot survives
+
+
+def test_splice_keeps_every_byte_outside_the_markers():
+    block = f"{START}\nnew\n{END}"
+    assert splice(None, "new", "f") == f"# Results\n\n{block}\n"
+    assert splice("# T\r\nbody\n", "new", "f") == f"# T\r\n\n{block}\nbody\n"
+    assert splice("no title\n", "new", "f") == f"{block}\n\nno title\n"
+    kept = f"# T\n\nintro\n{START}\nold\nlines\n{END}\n\n## Hand\ntext"
+    assert splice(kept, "new", "f") == f"# T\n\nintro\n{block}\n\n## Hand\ntext"
+    assert splice(splice(kept, "new", "f"), "new", "f") == splice(kept, "new", "f")
+    for broken in (f"{START}\n", f"{END}\n{START}\n", f"{START}\n{END}\n{START}\n{END}\n"):
+        with pytest.raises(UserError, match="leave one pair"):
+            splice(broken, "new", "f")
+
+
+def wrong_kind(path):
+    model = Transformer(ModelConfig(context=16, n_layer=1, n_head=1, d_model=8, d_ff=8))
+    save_checkpoint(path, kind="mdlm", config=model.config, model=model)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--report", "no/such/folder"], "pass a folder whose parent exists"),
+    (["--report", "docs", "--report-preset", "huge"], "unknown --report-preset 'huge'"),
+    (["--report", "docs", "--ckpt", "WRONG"], "holds a 'mdlm' model; the target must be a 'ar'"),
+    (["--report", "docs", "--new-tokens", "500"], "--new-tokens must lie in"),
+    (["--report", "bad-markers"], "leave one pair"),
+])
+def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("bad-markers").mkdir()
+    Path("bad-markers/RESULTS.md").write_text(f"# R\n{END}\n{START}\n")
+    flags = [wrong_kind(tmp_path / "mdlm.pt") if f == "WRONG" else f for f in flags]
+    with pytest.raises(UserError, match=message) as error:
+        bench.main([*flags, "--device", "cpu"])
+    assert "\n" not in str(error.value)
+    assert not Path("out").exists()

@@ -1,0 +1,399 @@
+"""`python -m tinydiff.bench --report DIR`: train what is missing, run every method, write DIR/RESULTS.md.
+
+    python -m tinydiff.bench --report docs --data ../shared/data/tinystories-sample.txt
+    python -m tinydiff.bench --report docs --ckpt out/ar-tiny/ckpt.pt ...   # given models are not trained
+
+1. Models. Each model the bench uses comes from its bench flag (--ckpt, --draft, --drafter, --eagle,
+   --mdlm, --moe) when given, else from out/report-PRESET/ROLE/ckpt.pt, which train.py makes when
+   missing, resumes when a run was interrupted, and reuses when finished with this preset's
+   settings. The draft, the DFlash drafter and the EAGLE-3 head learn the target's own text
+   (--regenerate, written once); the diffusion LM starts from the target's weights.
+2. Methods. Every --methods entry (bench_methods.METHODS) decodes the same held-out story openings:
+   EOT + the first 8 tokens of stories from the validation split, the form the drafters trained on.
+3. Output. The generated section of DIR/RESULTS.md (device, commit, date, models, one table) sits
+   between the marker lines START and END below; the rest of the file is hand-written and is kept
+   byte for byte. With matplotlib (`pip install -r requirements-plots.txt`) also PNGs in DIR/plots/:
+   accepted lengths per speculative method, tau and speedup against k / block size / budget, the
+   diffusion canvas over its steps, and experts per block under token and block routing.
+One tqdm bar with an ETA covers the whole run (training steps, regenerated stories, methods); each
+training run's own output goes to train.log beside its checkpoint.
+Leaves out: several seeds, confidence intervals, a GPU-timed `13m` preset.
+"""
+import copy
+import datetime
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from importlib.util import find_spec
+from pathlib import Path
+from unittest import mock
+
+import torch
+from tqdm import tqdm
+
+import train
+from tinydiff import regenerate
+from tinydiff.bench import device_name, heldout_nll, load_models, measure
+from tinydiff.bench_methods import METHODS, USES
+from tinydiff.checkpoint import load_checkpoint
+from tinydiff.data import load_tokens, prepare_tokens
+from tinydiff.errors import UserError
+from tinydiff.model import PRESETS
+from tinydiff.sampler import generate
+from tinydiff.ssd import forward_seconds
+from tinydiff.tokenizer import EOT, MASK, Tokenizer
+
+START, END = "<!-- report:start -->", "<!-- report:end -->"
+OPENING = 8  # tokens of each held-out story opening: regenerate.py's openings are this long too
+
+# role -> (the bench flag that names its checkpoint, the checkpoint kind it must hold). Dict order
+# is training order: the draft, the drafters and the diffusion LM all start from the target.
+ROLES = {"target": ("ckpt", "ar"), "draft": ("draft", "ar"), "drafter": ("drafter", "dflash"),
+         "eagle": ("eagle", "eagle3"), "mdlm": ("mdlm", "mdlm"), "moe": ("moe", "mdlm-moe")}
+
+# name -> model preset (and context), stories the target writes for its drafters, (steps, batch) per role
+REPORT_PRESETS = {
+    # a pipeline check in about a minute on a CPU; the numbers mean nothing
+    "smoke": {"preset": "draft", "context": 128, "regenerate": 2, "runs": {role: (2, 2) for role in ROLES}},
+    # sized for under 30 minutes of training and measuring on a 2-core CPU
+    "tiny": {"preset": "tiny", "regenerate": 100, "runs": {"target": (300, 8), "draft": (200, 8),
+             "drafter": (100, 4), "eagle": (50, 4), "mdlm": (150, 8), "moe": (100, 8)}},
+    # for a GPU (train.py's defaults for the target); not yet timed
+    "13m": {"preset": "13m", "regenerate": 1000, "runs": {"target": (5000, 32), "draft": (2000, 32),
+            "drafter": (2000, 16), "eagle": (2000, 16), "mdlm": (5000, 32), "moe": (5000, 32)}},
+}
+
+
+def role_flags(role: str, plan: dict, target: str) -> list[str]:
+    """What train.py is told to train for `role` (the target's checkpoint path given)."""
+    P, R = plan["preset"], str(plan["regenerate"])
+    C = ["--context", str(plan["context"])] if "context" in plan else []  # the others inherit the target's
+    return {"target": ["--model", "ar", "--preset", P, *C],
+            "draft": ["--model", "ar", "--preset", "draft", "--target", target, "--regenerate", R, *C],
+            "drafter": ["--model", "dflash", "--target", target, "--regenerate", R, "--block-size", "16"],
+            "eagle": ["--model", "eagle3", "--target", target, "--regenerate", R],
+            # a lower peak rate than from scratch: the AR weights are a start worth keeping
+            "mdlm": ["--model", "mdlm", "--preset", P, "--init", target, "--lr", "1e-3"],
+            "moe": ["--model", "mdlm-moe", "--preset", P, *C]}[role]
+
+
+def train_argv(role: str, plan: dict, target: str, folder: Path, args) -> list[str]:
+    steps, batch = plan["runs"][role]
+    return [*role_flags(role, plan, target), "--out", str(folder), "--max-steps", str(steps),
+            "--batch-size", str(batch), "--warmup", str(max(1, steps // 10)), "--eval-every", str(steps),
+            "--eval-batches", "2", "--ckpt-every", "50", "--seed", str(args.seed), "--device", args.device,
+            *(["--data", args.data] if args.data else [])]
+
+
+def plan_models(args, plan: dict, root: Path) -> dict:
+    """role -> {"path", "argv" (None: given, nothing to train), "todo" (steps left to train), "kind", "step"}."""
+    plans, target = {}, args.ckpt or str(root / "target" / "ckpt.pt")
+    for role, (flag, kind) in ROLES.items():
+        given = getattr(args, flag)
+        if given:  # checked now, not after half an hour of training the others
+            ckpt = load_checkpoint(given)
+            if ckpt.get("kind") != kind:
+                raise UserError(f"--{flag} {given} holds a {ckpt.get('kind')!r} model; the {role} must be a "
+                                f"{kind!r} checkpoint")
+            plans[role] = {"path": given, "argv": None, "todo": 0, "kind": kind, "step": ckpt.get("step", 0)}
+            continue
+        folder = root / role
+        argv = train_argv(role, plan, target, folder, args)
+        plans[role] = {"path": str(folder / "ckpt.pt"), "argv": argv, "todo": steps_left(folder / "ckpt.pt", argv),
+                       "kind": kind, "step": plan["runs"][role][0]}
+    return plans
+
+
+def steps_left(path: Path, argv: list[str]) -> int:
+    """Training steps still to run for `argv`; an existing run trained otherwise is an error."""
+    wanted = vars(train.parse_args(argv))
+    if not path.exists():
+        return wanted["max_steps"]
+    ckpt = load_checkpoint(path)
+    run = ckpt.get("args") or {}
+    differ = [key for key in train.RUN_SETTINGS if wanted[key] is not None and wanted[key] != run.get(key)]
+    if differ:
+        raise UserError(f"{path} was trained with other settings ({', '.join(differ)}) than this report "
+                        f"uses; delete {path.parent} to retrain it, or pass it with its bench flag")
+    return max(0, run["max_steps"] - ckpt["step"])
+
+
+def stand_in_bar(bar, stage: str):
+    """A stand-in for the tqdm class inside train.py and regenerate.py: their steps advance the
+    report's one bar (one ETA for the whole run); their lines go to stdout, the stage's log."""
+
+    class Inner:
+        def __init__(self, iterable=None, desc="", **_):  # total, initial: in the report's total already
+            self.iterable, self.desc = iterable, desc
+
+        def __iter__(self):
+            for item in self.iterable:
+                yield item
+                bar.update(1)
+
+        def update(self, n=1):
+            bar.update(n)
+
+        def set_postfix_str(self, text):
+            bar.set_postfix_str(f"{self.desc}: {text}")
+
+        write, close = staticmethod(print), staticmethod(lambda: None)
+
+    bar.set_description(stage)
+    return Inner
+
+
+def train_missing(plans: dict, bar):
+    text = None  # stories the target regenerated in this run's folders; the drafters all train on them
+    for role, job in plans.items():
+        if job["argv"] is None:
+            continue
+        path = Path(job["path"])
+        mine = path.parent / "regenerated.u16"
+        if job["todo"] == 0:
+            bar.write(f"{role}: reusing {path}")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if "--regenerate" in job["argv"] and text and not mine.exists():
+                shutil.copyfile(text, mine)  # the same target, openings, count and seed write the same stories
+            argv = job["argv"] + (["--resume"] if path.exists() else [])
+            bar.write(f"{role}: training {path} (log: {path.parent / 'train.log'})")
+            Inner = stand_in_bar(bar, f"train {role}")
+            with open(path.parent / "train.log", "a") as log, redirect_stdout(log), \
+                    mock.patch.object(train, "tqdm", Inner), mock.patch.object(regenerate, "tqdm", Inner):
+                train.main(argv)
+            if steps_left(path, job["argv"]) > 0:  # train.py saves and returns on Ctrl-C
+                raise UserError(f"interrupted while training {path}; run the same command again to continue")
+        if "--regenerate" in job["argv"] and mine.exists():
+            text = mine
+
+
+def regenerations(plans: dict, plan: dict) -> int:
+    """Stories the target will write in this run: none when a drafter's folder has them already."""
+    jobs = [job for job in plans.values() if job["argv"] and "--regenerate" in job["argv"]]
+    found = [(Path(job["path"]).parent / "regenerated.u16").exists() for job in jobs]
+    needed = any(job["todo"] and not has for job, has in zip(jobs, found))
+    return plan["regenerate"] if needed and not any(found) else 0
+
+
+def git_commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it; "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "HEAD", "--quiet"], cwd=root, capture_output=True)
+    except OSError:  # no git installed
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.returncode else "")
+
+
+def canvas_frames(model, prompt, args, threshold=None):
+    """(steps, new tokens) bool: which answer positions are committed after each denoising step,
+    for the bench's `diffusion` settings (one token per step, blocks of 32) or a threshold."""
+    n, frames = args.new_tokens, []
+    generate(model, prompt, n, n, min(32, n), args.temperature, threshold=threshold,
+             generator=torch.Generator(args.device).manual_seed(args.seed),
+             callback=lambda event: frames.append((event["canvas"][len(prompt):] != MASK).cpu()))
+    return torch.stack(frames).numpy()
+
+
+SWEEP = re.compile(r"^(.+)-([a-z])(\d+)$")  # spec-k4, dflash-b16, ddtree-n32, ssd-f3: family, knob, value
+KNOBS = {"k": "k", "b": "block size", "n": "budget", "f": "fan-out"}
+
+
+def sweeps(rows) -> dict:
+    """family label -> [(knob value, row)] for every method family measured at two or more values."""
+    out = {}
+    for row in rows:
+        match = SWEEP.match(row["method"])
+        if match:
+            out.setdefault(f"{match[1]} ({KNOBS.get(match[2], match[2])})", []).append((int(match[3]), row))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in out.items() if len(points) > 1}
+
+
+PLOTS = ("accepted_lengths.png", "tau_speedup.png", "diffusion_canvas.png", "moe_experts.png")
+
+
+def make_plots(rows, canvases: dict, folder: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(exist_ok=True)
+    made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        made.append(folder / name)
+
+    spec = [r for r in rows if r.get("accepted_hist")]
+    if spec:
+        cols, lines = min(4, len(spec)), math.ceil(len(spec) / min(4, len(spec)))
+        fig, axes = plt.subplots(lines, cols, figsize=(3 * cols, 2.4 * lines), squeeze=False)
+        for ax, r in zip(axes.flat, spec):
+            ax.bar(range(len(r["accepted_hist"])), r["accepted_hist"])
+            ax.set_title(f"{r['method']} (tau {r['tau']:.2f})", fontsize=9)
+            ax.set_xlabel("drafts accepted in a round", fontsize=8)
+        for ax in axes.flat[len(spec):]:
+            ax.axis("off")
+        save(fig, "accepted_lengths.png")
+    families = sweeps(rows)
+    if families:
+        fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for name, points in families.items():
+            xs = [x for x, _ in points]
+            ax_tau.plot(xs, [r["tau"] for _, r in points], "o-", label=name)
+            ax_speed.plot(xs, [r["speedup_vs_ar"] or float("nan") for _, r in points], "o-", label=name)
+        for ax, label in ((ax_tau, "tau (tokens per target forward)"), (ax_speed, "speedup over ar")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("k / block size / tree budget / fan-out")
+            ax.set_ylabel(label)
+        ax_tau.legend(fontsize=8)
+        save(fig, "tau_speedup.png")
+    if canvases:
+        fig, axes = plt.subplots(1, len(canvases), figsize=(4.5 * len(canvases), 3.6), squeeze=False)
+        for ax, (name, frames) in zip(axes.flat, canvases.items()):
+            ax.imshow(frames, aspect="auto", interpolation="nearest", cmap="Greys")
+            ax.set_title(f"{name}: {len(frames)} steps (black = committed)", fontsize=9)
+            ax.set_xlabel("answer position")
+            ax.set_ylabel("denoising step")
+        save(fig, "diffusion_canvas.png")
+    moe = [r for r in rows if "unique_experts_per_block" in r]
+    if moe:
+        fig, ax = plt.subplots(figsize=(4, 3))
+        ax.bar([r["method"] for r in moe], [r["unique_experts_per_block"] for r in moe])
+        ax.set_ylabel("unique experts per 32-token block")
+        save(fig, "moe_experts.png")
+    return made
+
+
+def section(report: dict, args, plot_paths, folder: Path) -> str:
+    """The markdown between the markers."""
+    def fmt(value, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+    lines = [f"## Every method, measured by `python -m tinydiff.bench --report` ({report['date']})", "",
+             f"Device: {report['device']} | commit {report['commit']} | preset `{report['preset']}` | temperature "
+             f"{args.temperature} | seed {args.seed} | {report['minutes']:.1f} minutes, training included.", "",
+             "Models: " + "; ".join(f"{role} `{m['path']}` ({m['kind']}, {m['step']} steps)"
+                                    for role, m in report["models"].items()) + ".", "",
+             f"Prompts ({args.new_tokens} new tokens each), openings of held-out stories: "
+             + " / ".join(f"\"{text.strip()}\"" for text in report["prompts"]), "",
+             "| method | tau | target fwd/token | tokens/s | speedup vs ar | held-out NLL | bits/byte | alpha |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['target_forwards_per_token']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], '.2f', 'x')} | "
+                     f"{fmt(r['heldout_nll'], '.3f')} | {fmt(r['heldout_bpb'], '.3f')} | {fmt(r.get('alpha'), '.2f')} |")
+    lines += ["", "tau: new tokens per target forward (bonus included); alpha: accepted / judged drafts (chains "
+              "only). Held-out NLL: nats/token on 16 validation windows of the model whose distribution the "
+              "method samples (the target for every speculative method: they are lossless), exact for AR, "
+              "the ELBO bound for the diffusion LMs.", ""]
+    if plot_paths:
+        lines += [f"![{p.stem.replace('_', ' ')}]({p.relative_to(folder).as_posix()})" for p in plot_paths]
+    else:
+        lines.append("Plots skipped: matplotlib is not installed (`pip install -r requirements-plots.txt`).")
+    return "\n".join(lines)
+
+
+def splice(text: str | None, body: str, where) -> str:
+    """The file's text with the generated block replaced, or inserted after its title line."""
+    block = f"{START}\n{body}\n{END}"
+    if text is None:
+        return f"# Results\n\n{block}\n"
+    starts, ends = text.count(START), text.count(END)
+    if (starts, ends) == (1, 1) and text.index(START) < text.index(END):
+        head, rest = text.split(START)
+        return head + block + rest.split(END)[1]
+    if starts or ends:
+        raise UserError(f"{where} has {starts} '{START}' and {ends} '{END}' lines; leave one pair "
+                        "(start first) or none")
+    if text.startswith("#"):
+        title, _, rest = text.partition("\n")
+        return f"{title}\n\n{block}\n{rest}"
+    return f"{block}\n\n{text}"
+
+
+def measure_all(args, methods: list[str], plans: dict, bar):
+    """Load the planned models and run `methods` on held-out openings: (rows, openings, models, args)."""
+    args = copy.copy(args)  # the bench's flags, now naming every model
+    for role, (flag, _) in ROLES.items():
+        setattr(args, flag, plans[role]["path"])
+    models = load_models(args)
+    _, val_path = prepare_tokens(args.data)
+    openings = regenerate.story_openings(load_tokens(val_path), args.prompts, OPENING, args.seed)
+    prompts = [[EOT] + opening for opening in openings]
+    too_big = [m for m in methods if m.startswith("dflash-b")
+               and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
+    methods = [m for m in methods if m not in too_big]  # as the bench does: more slots than trained
+    bar.total -= len(too_big)
+    nll = heldout_nll(models, args, Tokenizer(), sorted({USES.get(m, "mdlm") for m in methods}))
+    args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),  # for SSD's modelled times
+                          forward_seconds(models["target"], prompts[0], reps=16))
+    rows = []
+    bar.set_postfix_str("")
+    for name in methods:
+        bar.set_description(f"bench {name}")
+        nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
+        rows.append({"method": name, **measure(METHODS[name], models, prompts, args),
+                     "heldout_nll": nll_row, "heldout_bpb": bpb_row})
+        bar.update(1)
+    ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    for row in rows:
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ar_speed if ar_speed else None
+    return rows, openings, models, args
+
+
+def write_report(args, methods: list[str]) -> dict:
+    """Train what is missing, measure `methods`, write args.report/RESULTS.md (and plots); the report."""
+    plan = REPORT_PRESETS.get(args.report_preset)
+    if plan is None:
+        raise UserError(f"unknown --report-preset {args.report_preset!r}; choose from {', '.join(REPORT_PRESETS)}")
+    folder = Path(args.report)
+    if not folder.resolve().parent.is_dir() or folder.is_file():
+        raise UserError(f"--report {folder}: pass a folder whose parent exists (RESULTS.md and plots/ go in it)")
+    folder.mkdir(exist_ok=True)
+    results = folder / "RESULTS.md"
+    old = results.read_text(encoding="utf-8") if results.exists() else None
+    splice(old, "", results)  # bad markers fail now, not after the training
+    room = plan.get("context", PRESETS[plan["preset"]].context) - 1 - OPENING
+    if not 1 <= args.new_tokens <= room:
+        raise UserError(f"--new-tokens must lie in [1, {room}] at preset {args.report_preset}, got {args.new_tokens}")
+    plans = plan_models(args, plan, Path("out") / f"report-{args.report_preset}")
+    total = sum(job["todo"] for job in plans.values()) + regenerations(plans, plan) + len(methods)
+    with tqdm(total=total, desc="report", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+        train_missing(plans, bar)
+        rows, openings, models, args = measure_all(args, methods, plans, bar)
+        minutes = bar.format_dict["elapsed"] / 60
+    report = {"device": device_name(args.device), "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "minutes": minutes, "preset": args.report_preset, "prompts": [Tokenizer().decode(o) for o in openings],
+              "models": {role: {key: job[key] for key in ("path", "kind", "step")} for role, job in plans.items()},
+              "rows": rows}
+    for name in PLOTS:  # the last run's plots: none may outlive the table it belonged to
+        (folder / "plots" / name).unlink(missing_ok=True)
+    plot_paths = []
+    if find_spec("matplotlib") is None:
+        print("plots skipped: matplotlib is not installed (pip install -r requirements-plots.txt)")
+    else:
+        canvases = {}
+        if any(row["method"].startswith("diffusion") for row in rows):
+            canvases = {name: canvas_frames(models["mdlm"], [EOT] + openings[0], args, threshold)
+                        for name, threshold in (("diffusion", None), ("diffusion-threshold", 0.9))}
+        plot_paths = make_plots(rows, canvases, folder / "plots")
+    body = section(report, args, plot_paths, folder)
+    tmp = results.with_name(f".{results.name}.tmp")
+    tmp.write_text(splice(old, body, results), encoding="utf-8")
+    tmp.replace(results)  # atomic: an interrupted write never leaves half a file
+    report["plots"] = [str(p) for p in plot_paths]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(body)
+    print(f"wrote {results}" + (f" and {len(plot_paths)} plots in {folder / 'plots'}" if plot_paths else ""))
+    return report
