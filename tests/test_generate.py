@@ -11,6 +11,7 @@ from tinydiff import bench
 from tinydiff.checkpoint import save_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer
+from tinydiff.speculative import expected_tokens_per_round
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,9 +149,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for k in (2, 4, 8):
         spec = rows[f"spec-k{k}"]
         assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
-        assert spec["predicted_with_verify_cost"] == pytest.approx(
-            spec["predicted_speedup"] * (k * report["draft_target_cost_c"] + 1)
-            / (k * report["draft_target_cost_c"] + spec["verify_cost"]))
+        assert spec["loop_c"] > 0 and spec["loop_v"] > 0 and spec["predicted_at_loop_costs"] == pytest.approx(
+            expected_tokens_per_round(spec["alpha"], k) / (k * spec["loop_c"] + spec["loop_v"]))
         assert len(spec["accepted_hist"]) == k + 1
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
     assert report["draft_target_cost_c"] > 0

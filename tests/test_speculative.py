@@ -35,6 +35,7 @@ def check_counts(out, stats, rounds, k):
     assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
     assert_alpha(stats, rounds, accepted)
     assert stats["tau"] == len(out) / stats["target_forwards"]
+    assert 0 < stats["draft_seconds"] + stats["verify_seconds"] <= stats["seconds"]  # both inside the timed loop
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
 

@@ -85,6 +85,9 @@ def measure(method, models, prompts, args) -> dict:
     if "hits" in totals:
         row["hit_rate"] = sum(totals["hits"]) / max(1, sum(totals["lookups"]))
         row["modelled_speedup_vs_spec"] = totals["modelled_seconds_sd"] / totals["modelled_seconds_ssd"]
+    if "draft_seconds" in totals:  # the loop's own costs, for Leviathan's formula with real prices
+        row["seconds_per_draft"] = totals["draft_seconds"] / totals["proposed"]
+        row["seconds_per_verify"] = totals["verify_seconds"] / totals["target_forwards"]
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
@@ -193,9 +196,6 @@ def main(argv=None):
     args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),
                           forward_seconds(models["target"], prompts[0], reps=16))
     c = args.forward_costs[0] / args.forward_costs[1]
-    # His formula prices a verify at one target step; what it costs here, over k+1 tokens:
-    verify_cost = {k: forward_seconds(models["target"], prompts[0], reps=16, new_tokens=k + 1) / args.forward_costs[1]
-                   for k in (2, 4, 8)}
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
         nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
@@ -207,27 +207,32 @@ def main(argv=None):
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
             k = int(row["method"][len("spec-k"):])
             row["predicted_speedup"] = leviathan_speedup(row["alpha"], k, c)
-            row["verify_cost"] = verify_cost[k]
-            row["predicted_with_verify_cost"] = expected_tokens_per_round(row["alpha"], k) / (k * c + verify_cost[k])
+            if ar_speed:  # the same formula, each cost in `ar` steps as the loop paid it
+                row["loop_c"], row["loop_v"] = row["seconds_per_draft"] * ar_speed, row["seconds_per_verify"] * ar_speed
+                row["predicted_at_loop_costs"] = (expected_tokens_per_round(row["alpha"], k)
+                                                  / (k * row["loop_c"] + row["loop_v"]))
     report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
     print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
           f"temperature {args.temperature}")
     print(f"{'method':<22}{'tokens/s':>10}{'target fwd/token':>18}{'tau':>7}{'speedup vs ar':>15}"
-          f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}{'+verify cost':>14}")
+          f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}{'loop costs':>12}")
     for r in rows:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         quality = (f"{r['heldout_nll']:>13.3f}{r['heldout_bpb']:>11.3f}" if r["heldout_nll"] is not None
                    else f"{'-':>13}{'-':>11}")
         alpha = f"{r['alpha']:>7.2f}" if r.get("alpha") is not None else f"{'-':>7}"
         predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
-        costed = f"{r['predicted_with_verify_cost']:.2f}x" if "predicted_with_verify_cost" in r else "-"
+        costed = f"{r['predicted_at_loop_costs']:.2f}x" if "predicted_at_loop_costs" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
-              f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}{costed:>14}")
+              f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}{costed:>12}")
     print("tau: new tokens per target forward (bonus included); alpha: accepted / judged drafts (a round "
           "judges its drafts up to the first rejection)")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); "
-          f"+verify cost replaces the 1 by v, a (k+1)-token target forward's cost in target steps: "
-          + ", ".join(f"v(k={k}) = {v:.2f}" for k, v in verify_cost.items()))
+          "loop costs: the same with c and the verify's 1 replaced by what one draft and one verify "
+          "took inside the loop, in `ar` decoding steps")
+    for r in rows:
+        if "loop_c" in r:
+            print(f"{r['method']}: one draft {r['loop_c']:.2f}, one verify {r['loop_v']:.2f} `ar` steps")
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
     dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
     for r in rows:

@@ -112,6 +112,8 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
       tau              new tokens per target forward, the bonus/corrected token included (1..k+1)
       target_forwards  one per round (the prompt's prefill rides along with the first)
       draft_forwards   one per proposed draft
+      draft_seconds, verify_seconds  wall time spent drafting, and in the target forward + the
+                       acceptance rule: the real per-draft and per-verify costs of this loop
       new_tokens, seconds, tokens_per_s
     """
     if not isinstance(k, int) or k < 1:
@@ -123,12 +125,19 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
     seq, out = list(prompt), []
     hist, proposed, rejected = [0] * (k + 1), 0, 0
+    device = target.embed.weight.device
+    draft_seconds = verify_seconds = 0.0
     start = time.perf_counter()
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
+        t0 = time.perf_counter()
         drafts, q = draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # so the draft's queued work is not billed to the verify
+        t1 = time.perf_counter()
         p = target_probs(target, target_cache, seq, drafts, warp_args)
-        n, token = verify(p, q, drafts, generator)
+        n, token = verify(p, q, drafts, generator)  # int(): waits for the GPU
+        draft_seconds, verify_seconds = draft_seconds + t1 - t0, verify_seconds + time.perf_counter() - t1
         tokens = drafts[:n].tolist() + [token]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
@@ -143,7 +152,8 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, round_stats(out, hist, proposed, proposed, start, target.embed.weight.device, rejected=rejected)
+    stats = round_stats(out, hist, proposed, proposed, start, device, rejected=rejected)
+    return out, {**stats, "draft_seconds": draft_seconds, "verify_seconds": verify_seconds}
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:

@@ -206,16 +206,15 @@ class Overlap:
 
 
 @torch.no_grad()
-def forward_seconds(model, seq, reps: int = 5, new_tokens: int = 1) -> float:
-    """Median seconds of one KV-cached forward over `new_tokens` tokens after seq: with 1, decoding's
-    unit cost; with k+1, a speculative round's verification."""
+def forward_seconds(model, seq, reps: int = 5) -> float:
+    """Median seconds of one single-token KV-cached forward after seq: decoding's unit cost."""
     device = model.embed.weight.device
     cache = model.new_cache(1)
     model(torch.tensor([seq], device=device), cache=cache, causal=True)
     times = []
     for _ in range(reps):
         begin = time.perf_counter()
-        model(torch.tensor([seq[-1:] * new_tokens], device=device), cache=cache, causal=True)
+        model(torch.tensor([seq[-1:]], device=device), cache=cache, causal=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
