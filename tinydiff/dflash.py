@@ -101,22 +101,25 @@ class DFlashConfig:
     @classmethod
     def for_target(cls, target_config: ModelConfig, **overrides) -> "DFlashConfig":
         """A config that copies the target's dimensions; N defaults to min(5, L-3) (at least 1)."""
-        t = target_config
-        dims = dict(vocab_size=t.vocab_size, context=t.context, d_model=t.d_model, target_layers=t.n_layer,
-                    n_head=t.n_head, d_ff=t.d_ff, rope_base=t.rope_base, norm_eps=t.norm_eps,
-                    n_features=max(1, min(5, t.n_layer - 3)))
+        dims = {**target_dims(target_config), "n_features": max(1, min(5, target_config.n_layer - 3))}
         return cls(**{**dims, **overrides})
 
 
-def check_target(config: DFlashConfig, target):
-    """The target must have the dimensions the drafter was built for."""
+def target_dims(t: ModelConfig) -> dict:
+    """The target dimensions a drafter built around it copies (DFlash here, EAGLE-3 too)."""
+    return dict(vocab_size=t.vocab_size, context=t.context, d_model=t.d_model, target_layers=t.n_layer,
+                n_head=t.n_head, d_ff=t.d_ff, rope_base=t.rope_base, norm_eps=t.norm_eps)
+
+
+def check_target(config, target, what: str = "drafter"):
+    """The target must have the dimensions the drafter (a DFlash or EAGLE-3 config) was built for."""
     t = target.config
     want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
             "context": config.context}
     for name, value in want.items():
         if getattr(t, name) != value:
-            raise UserError(f"this drafter was built for a target with {name}={value}, but this target has "
-                            f"{getattr(t, name)}; pass the target checkpoint the drafter was trained against")
+            raise UserError(f"this {what} was built for a target with {name}={value}, but this target has "
+                            f"{getattr(t, name)}; pass the target checkpoint the {what} was trained against")
 
 
 class DrafterLayer(Block):

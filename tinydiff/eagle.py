@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinydiff.dflash import check_target, target_dims
 from tinydiff.errors import UserError
 from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
 from tinydiff.sampling import next_token_probs
@@ -81,21 +82,7 @@ class EagleConfig:
     @classmethod
     def for_target(cls, target_config: ModelConfig, **overrides) -> "EagleConfig":
         """A config that copies the target's dimensions."""
-        t = target_config
-        dims = dict(vocab_size=t.vocab_size, context=t.context, d_model=t.d_model, target_layers=t.n_layer,
-                    n_head=t.n_head, d_ff=t.d_ff, rope_base=t.rope_base, norm_eps=t.norm_eps)
-        return cls(**{**dims, **overrides})
-
-
-def check_target(config: EagleConfig, target):
-    """The target must have the dimensions the head was built for."""
-    t = target.config
-    want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
-            "context": config.context}
-    for name, value in want.items():
-        if getattr(t, name) != value:
-            raise UserError(f"this EAGLE head was built for a target with {name}={value}, but this target has "
-                            f"{getattr(t, name)}; pass the target checkpoint the head was trained against")
+        return cls(**{**target_dims(target_config), **overrides})
 
 
 class HeadBlock(Block):
@@ -116,7 +103,7 @@ class HeadBlock(Block):
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, target: Transformer):
         super().__init__()
-        check_target(config, target)
+        check_target(config, target, "EAGLE head")
         # Held, not registered: see DFlashDrafter (parameters, state_dict and .to() stay the head's).
         object.__setattr__(self, "target", target)
         self.config = config

@@ -36,7 +36,8 @@ import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
-from tinydiff.eagle import EagleHead, check_target, draftable
+from tinydiff.dflash import check_target
+from tinydiff.eagle import EagleHead, draftable
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, round_stats, verify
@@ -47,7 +48,7 @@ def check_head(target, head):
     if not isinstance(head, EagleHead):
         raise UserError(f"the head is a {type(head).__name__}; build one with tinydiff.eagle.EagleHead "
                         "or load an EAGLE-3 checkpoint (train.py --model eagle3)")
-    check_target(head.config, target)
+    check_target(head.config, target, "EAGLE head")
     if head.fuse.weight.device != target.embed.weight.device:
         raise UserError(f"the head is on {head.fuse.weight.device} but the target on "
                         f"{target.embed.weight.device}; move both to one device")
