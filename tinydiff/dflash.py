@@ -310,13 +310,18 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
 
 def drafter_from(ckpt: dict, target: Transformer, path="checkpoint") -> DFlashDrafter:
     """Rebuild a drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`."""
+    return rebuild_around(target, ckpt, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)
+
+
+def rebuild_around(target, ckpt: dict, config_class, drafter_class, what: str, path):
+    """A drafter built around `target` (DFlash, EAGLE-3) from its checkpoint's config and weights."""
     try:
-        config = DFlashConfig(**ckpt["config"])
+        config = config_class(**ckpt["config"])
     except TypeError as e:
-        raise UserError(f"{path}: not a DFlash drafter config ({e})") from None
-    drafter = DFlashDrafter(config, target)
+        raise UserError(f"{path}: not {what} config ({e})") from None
+    drafter = drafter_class(config, target)
     try:
         drafter.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit its DFlash config ({' '.join(str(e).split())[:160]})") from None
+        raise UserError(f"{path}: weights do not fit {what}'s config ({' '.join(str(e).split())[:160]})") from None
     return drafter.eval()

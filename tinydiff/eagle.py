@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.dflash import check_target, target_dims
+from tinydiff.dflash import check_target, rebuild_around, target_dims
 from tinydiff.errors import UserError
 from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
 from tinydiff.sampling import next_token_probs
@@ -243,13 +243,4 @@ def head_from(ckpt: dict, target: Transformer, path="checkpoint") -> EagleHead:
     """Rebuild a head from {"kind": "eagle3", "config": asdict(EagleConfig), "model": state_dict} around `target`."""
     if ckpt.get("kind", KIND) != KIND:
         raise UserError(f"{path} holds a {ckpt['kind']!r} model, not an EAGLE-3 head ({KIND!r})")
-    try:
-        config = EagleConfig(**ckpt["config"])
-    except TypeError as e:
-        raise UserError(f"{path}: not an EAGLE-3 head config ({e})") from None
-    head = EagleHead(config, target)
-    try:
-        head.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit its EAGLE-3 config ({' '.join(str(e).split())[:160]})") from None
-    return head.eval()
+    return rebuild_around(target, ckpt, EagleConfig, EagleHead, "an EAGLE-3 head", path)
