@@ -44,7 +44,13 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
-                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead")
+                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
+                "feature_layers")
+
+
+def layer_ids(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: argparse reports a ValueError here as a one-line usage error."""
+    return [int(i) for i in text.split(",")]
 
 
 def parse_args(argv=None):
@@ -74,6 +80,8 @@ def parse_args(argv=None):
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
     dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
     dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
+    dflash.add_argument("--feature-layers", type=layer_ids,
+                        help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
@@ -88,7 +96,7 @@ def defaults(args, device: str) -> dict:
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "target": None, "block_size": 16, "regenerate": None,
-                "steps_ahead": 3}
+                "steps_ahead": 3, "feature_layers": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -152,11 +160,14 @@ def load_target(run: dict, device: str):
 
 def build_model(run: dict, device: str, ckpt=None, path=None):
     """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
+    if run["feature_layers"] and run["model"] != "dflash":
+        raise UserError("--feature-layers applies to --model dflash only (EAGLE-3 fuses 3 fixed layers)")
     if run["model"] == "dflash":
         target = load_target(run, device)
         if ckpt is not None:
             return drafter_from(ckpt, target, path)
-        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"]), target)
+        layers = {"feature_layers": run["feature_layers"]} if run["feature_layers"] else {}
+        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **layers), target)
     if run["model"] == "eagle3":
         target = load_target(run, device)
         if ckpt is not None:
