@@ -158,26 +158,32 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     common = ["--model", "dflash", "--target", str(tmp_path / "target.pt"), "--block-size", "4", "--regenerate", "3",
               "--data", str(story_file), "--batch-size", "2", "--max-steps", "4", "--warmup", "1",
               "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2", "--device", "cpu"]
-    train.main([*common, "--out", str(tmp_path / "full")])
+    train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "full")])
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt.pt")
-    assert ckpt["kind"] == "dflash" and ckpt["config"]["block_size"] == 4
+    assert ckpt["kind"] == "dflash" and ckpt["config"]["block_size"] == 4 and ckpt["config"]["feature_layers"] == [0, 2]
     assert not any(k.startswith(("embed", "blocks")) and k in before for k in ckpt["model"])  # drafter weights only
     target_after = load_checkpoint(tmp_path / "target.pt")["model"]
     assert all(torch.equal(before[k], target_after[k]) for k in before)  # the target stayed frozen
     assert (tmp_path / "full" / "regenerated.u16").stat().st_size > 0
 
     interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    train.main([*common, "--out", str(tmp_path / "cut")])
+    train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "cut")])
     monkeypatch.undo()
     train.main(["--out", str(tmp_path / "cut"), "--resume"])
     assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
     with pytest.raises(UserError, match="needs --target"):
         train.main(["--model", "dflash", "--data", str(story_file), "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match=r"feature layer ids \[1, 9\] must lie in \[0, 2\]"):
+        train.main([*common, "--feature-layers", "1,9", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit):  # argparse's one-line usage error
+        train.parse_args(["--feature-layers", "1,two"])
     eagle = ["--model", "eagle3", "--target", str(tmp_path / "target.pt"), "--steps-ahead", "2", *common[6:]]
     train.main([*eagle, "--out", str(tmp_path / "eagle")])
     head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")
     assert head["kind"] == "eagle3" and head["config"]["steps_ahead"] == 2 and head["step"] == 4
     assert not any(k.startswith(("embed.", "blocks.")) for k in head["model"])  # the head's own weights only
+    with pytest.raises(UserError, match="--feature-layers applies to --model dflash only"):
+        train.main([*eagle, "--feature-layers", "1", "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="--regenerate trains a draft"):
         train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))
     with pytest.raises(UserError, match="needs --target"):
