@@ -102,11 +102,12 @@ def geometric_fan_out(budget: int, k: int, alpha: float, r: float = 1.0, cap: in
     return fan
 
 
-def branches_for(logits, drafts, fan_out, next_drafts, stop_token):
-    """The outcomes (k, bonus) worth preparing. logits (n+1, V): the draft's after S + x_1..x_k."""
+def branches_for(logits, drafts, fan_out, next_drafts, stop_token, first: int = 0):
+    """The outcomes (k, bonus) worth preparing. logits (n+1-first, V): the draft's after S + x_1..x_k
+    for k = first..n."""
     V = logits.shape[-1]
     out = []
-    for k, row in enumerate(logits):
+    for k, row in enumerate(logits, start=first):
         if next_drafts[k] < 1 or fan_out[k] < 1 or stop_token in drafts[:k].tolist():
             continue  # no next round to prepare after this outcome
         excluded = ([MASK] if V > MASK else []) + ([int(drafts[k])] if k < len(drafts) else [])
@@ -125,6 +126,16 @@ def fork(cache, branch_cache, rows: int):
     branch_cache.advance(rows)
 
 
+def adopt(cache, at: int, count: int, branch_cache, row: int, shared: int):
+    """After a hit: the hit branch's own rows (its bonus and the drafts it read, rows shared.. of batch
+    row `row`) become rows at..at+count-1 of the batch-1 cache, so the next catch-up starts after them.
+    Their keys were computed at positions at.. (the branch's position ids), which is where they land."""
+    cache.crop(at)
+    for dst, src in zip(cache.k + cache.v, branch_cache.k + branch_cache.v):
+        dst[0, :, at:at + count] = src[row, :, shared:shared + count]
+    cache.advance(count)
+
+
 @torch.no_grad()
 def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, generator=None, stop_token=None,
               branch_caches=None):
@@ -132,16 +143,22 @@ def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, genera
 
     seq: committed ids (L); drafts (n,) this round's speculation; fan_out: F_0..F_K;
     next_drafts[k]: drafts the next round proposes if k drafts are accepted (< 1: nothing to prepare).
+    cache: holds a prefix of S + x_1..x_n (the rows the catch-up does not recompute).
     branch_caches: {batch size: KVCache} reused between calls. Leaves `cache` holding S + x_1..x_n.
-    Returns ({(k, bonus): (drafts (m_k,), q (m_k, V))}, draft forwards run).
+    Returns ({(k, bonus): (drafts (m_k,), q (m_k, V), (branch cache, its row, shared rows))}, draft
+    forwards run); the third item is what `adopt` needs after a hit.
     """
     device = drafts.device
     L, n = len(seq), len(drafts)
-    cache.crop(min(cache.length, L - 1))
+    worth = [k for k in range(n + 1) if fan_out[k] >= 1 and next_drafts[k] >= 1]
+    if not worth:
+        return {}, 0
+    first = worth[0]  # the logits after S + x_1..x_k come from row L-1+k: only rows from L-1+first are needed
+    cache.crop(min(cache.length, L - 1 + first))
     start = cache.length
-    x = torch.cat([torch.tensor(seq[start:], device=device), drafts])[None]  # (1, L + n - start)
-    logits = draft(x, cache=cache, causal=True)[0, L - 1 - start:]  # (n+1, V): after S + x_1..x_k
-    branches = branches_for(logits, drafts, fan_out, next_drafts, stop_token)
+    x = torch.cat([torch.tensor(seq, device=device), drafts])[start:][None]  # (1, L + n - start)
+    logits = draft(x, cache=cache, causal=True)[0, L - 1 + first - start:]  # (n+1-first, V)
+    branches = branches_for(logits, drafts, fan_out, next_drafts, stop_token, first)
     P = L + n  # rows every branch shares a prefix of
     steps = min(max((next_drafts[k] for k, _ in branches), default=0), draft.config.context - P)
     if steps < 1:
@@ -164,7 +181,8 @@ def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, genera
         tokens.append(x[:, 0])
         qs.append(q)
     tokens, qs = torch.stack(tokens, 1), torch.stack(qs, 1)  # (B, steps), (B, steps, V)
-    entries = {(k, b): (tokens[i, :next_drafts[k]], qs[i, :next_drafts[k]]) for i, (k, b) in enumerate(branches)}
+    entries = {(k, b): (tokens[i, :next_drafts[k]], qs[i, :next_drafts[k]], (branch_cache, i, P))
+               for i, (k, b) in enumerate(branches)}
     return entries, 1 + steps
 
 
@@ -324,7 +342,9 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
                 cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
                 lookups[n] += 1
                 hits[n] += cached
-                speculation = found if cached else None
+                speculation = found[:2] if cached else None
+                if cached:  # the branch's K/V rows join the draft's cache: no recomputing them next round
+                    adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
     finally:
         overlap.close()
     stats = round_stats(out, hist, proposed, jit_total + ahead_total, start, device, rejected=rejected)
