@@ -50,6 +50,11 @@ METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "d
 DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
 
 
+def fan_out(text: str):
+    """'3' -> 3 (every accepted count); '0,0,0,0,1' -> [0, 0, 0, 0, 1] (one count per accepted 0..k)."""
+    return [int(f) for f in text.split(",")] if "," in text else int(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
@@ -67,7 +72,9 @@ def parse_args(argv=None):
     spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
     spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
-    spec.add_argument("--fan-out", type=int, default=3, help="--method ssd: bonus tokens pre-drafted per accepted count")
+    spec.add_argument("--fan-out", type=fan_out, default=3,
+                      help="--method ssd: bonus tokens pre-drafted per accepted count, or k+1 counts "
+                           "(0,0,0,0,1: only after all 4 drafts pass, the fastest on a CPU)")
     spec.add_argument("--drafter", help="--method dflash/ddtree: the DFlash drafter; --method eagle3: the EAGLE-3 head")
     spec.add_argument("--block-size", type=int, help="--method dflash/ddtree: block size (default: the drafter's)")
     spec.add_argument("--budget", type=int, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "

@@ -83,8 +83,13 @@ def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
     spec = json.loads(run(*common, "--method", "spec", "--draft", tmp_path / "draft.pt", "--k", 3).stdout)
     vllm = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 2}' % (tmp_path / "draft.pt")
     via_config = json.loads(run(*common, "--speculative-config", vllm).stdout)
-    assert spec["ids"] == ar["ids"] == via_config["ids"]
+    ssd = json.loads(run(*common, "--method", "ssd", "--draft", tmp_path / "draft.pt", "--k", 3,
+                         "--fan-out", "0,0,0,1").stdout)  # one branch: after all 3 drafts pass
+    assert spec["ids"] == ar["ids"] == via_config["ids"] == ssd["ids"]
     assert spec["stats"]["target_forwards"] == spec["stats"]["rounds"] and len(spec["stats"]["accepted"]) == 4
+    assert ssd["stats"]["accepted"] == spec["stats"]["accepted"] and ssd["stats"]["hits"][:3] == [0, 0, 0]
+    res = run(*common, "--method", "ssd", "--draft", tmp_path / "draft.pt", "--k", 3, "--fan-out", "0,1")
+    assert res.returncode != 0 and "a list of k+1 = 4 integers" in res.stderr.strip().splitlines()[-1]
     assert len(via_config["stats"]["accepted"]) == 3
     for bad, message in (("{", "not valid JSON"), ('{"method": "eagle"}', "draft_model")):
         res = run("--ckpt", ckpt, "--prompt", "hi", "--speculative-config", bad)
@@ -154,6 +159,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert len(spec["accepted_hist"]) == k + 1
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
     assert report["draft_target_cost_c"] > 0
+    for name in ("ssd-f1", "ssd-f3", "ssd-f8", "ssd-g1", "ssd-g2"):  # greedy: the rounds of spec-k4, cached or not
+        assert rows[name]["accepted_hist"] == rows["spec-k4"]["accepted_hist"] and 0 <= rows[name]["hit_rate"] <= 1
     for n in (8, 16, 32, 64, 128):
         tree = rows[f"ddtree-n{n}"]
         assert 0 < tree["tau"] <= 16 and 0 < tree["nodes_per_round"] <= n  # tau counts the prefill forward too

@@ -3,6 +3,7 @@ model the bench uses (continuing a run that Ctrl-C stopped), runs every method, 
 section of DIR/RESULTS.md between the markers, keeping the hand-written rest of the file byte for
 byte; a second run reuses the trained models and replaces the section; plots appear exactly when
 matplotlib is importable; a user's mistakes are one-line UserErrors raised before any training."""
+import itertools
 import os
 import signal
 from importlib.util import find_spec
@@ -62,8 +63,8 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
         assert ckpt["kind"] == kind and ckpt["step"] == ckpt["args"]["max_steps"] == 2
     assert load_checkpoint(root / "draft/ckpt.pt")["args"]["target"] == str(root / "target/ckpt.pt")
     # the drafter and the EAGLE head trained on the very stories the draft did: regenerated once
-    for role in ("drafter", "eagle"):
-        assert (root / role / "regenerated.u16").read_bytes() == (root / "draft/regenerated.u16").read_bytes()
+    for role, name in itertools.product(("drafter", "eagle"), ("regenerated.u16", "regenerated-val.u16")):
+        assert (root / role / name).read_bytes() == (root / "draft" / name).read_bytes()
 
     text = Path("docs/RESULTS.md").read_text(encoding="utf-8")
     assert text.startswith("# Results\n\n" + START + "\n") and text.count(START) == text.count(END) == 1

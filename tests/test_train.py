@@ -165,6 +165,9 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     target_after = load_checkpoint(tmp_path / "target.pt")["model"]
     assert all(torch.equal(before[k], target_after[k]) for k in before)  # the target stayed frozen
     assert (tmp_path / "full" / "regenerated.u16").stat().st_size > 0
+    # validated on the target's text as well, written from the validation split's openings
+    val_text = (tmp_path / "full" / "regenerated-val.u16").read_bytes()
+    assert val_text and val_text != (tmp_path / "full" / "regenerated.u16").read_bytes()
 
     interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
     train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "cut")])

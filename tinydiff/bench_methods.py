@@ -14,7 +14,7 @@ from tinydiff.dmoe import moe_stats, reset_stats, set_routing
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
-from tinydiff.ssd import ssd_generate
+from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
 def run_ar(models, prompt, args, generator):
@@ -101,6 +101,9 @@ METHODS = {
     "ssd-f1": lambda *a: run_ssd(*a, fan_out=1),
     "ssd-f3": lambda *a: run_ssd(*a, fan_out=3),
     "ssd-f8": lambda *a: run_ssd(*a, fan_out=8),
+    # 1 or 2 branches where the paper's geometric allocation puts them at alpha ~ 0.9: after a full acceptance
+    "ssd-g1": lambda *a: run_ssd(*a, fan_out=geometric_fan_out(1, 4, 0.9)),
+    "ssd-g2": lambda *a: run_ssd(*a, fan_out=geometric_fan_out(2, 4, 0.9)),
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
     **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},

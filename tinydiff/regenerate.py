@@ -73,6 +73,12 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     return np.array(out + [EOT], dtype=np.uint16)
 
 
+def validation_stories(n: int) -> int:
+    """Stories the target writes from the validation split's openings for a run that trains on n:
+    a drafter is validated on what it will be asked to guess, not on the corpus."""
+    return max(16, n // 10)
+
+
 def load_or_regenerate(path, target, tokens, n: int, seed: int) -> np.ndarray:
     """The regenerated text cached at `path` (written atomically), made once per run."""
     if os.path.exists(path):

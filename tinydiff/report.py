@@ -147,19 +147,22 @@ def stand_in_bar(bar, stage: str):
     return Inner
 
 
+REGENERATED = ("regenerated.u16", "regenerated-val.u16")  # train.py --regenerate's training and validation text
+
+
 def train_missing(plans: dict, bar):
-    text = None  # stories the target regenerated in this run's folders; the drafters all train on them
+    text = None  # the folder whose stories the target regenerated in this run; the drafters all use them
     for role, job in plans.items():
         if job["argv"] is None:
             continue
         path = Path(job["path"])
-        mine = path.parent / "regenerated.u16"
         if job["todo"] == 0:
             bar.write(f"{role}: reusing {path}")
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if "--regenerate" in job["argv"] and text and not mine.exists():
-                shutil.copyfile(text, mine)  # the same target, openings, count and seed write the same stories
+            for name in REGENERATED if "--regenerate" in job["argv"] and text else ():
+                if not (path.parent / name).exists():  # the same target, openings, count and seed: the same stories
+                    shutil.copyfile(text / name, path.parent / name)
             argv = job["argv"] + (["--resume"] if path.exists() else [])
             bar.write(f"{role}: training {path} (log: {path.parent / 'train.log'})")
             Inner = stand_in_bar(bar, f"train {role}")
@@ -168,16 +171,16 @@ def train_missing(plans: dict, bar):
                 train.main(argv)
             if steps_left(path, job["argv"]) > 0:  # train.py saves and returns on Ctrl-C
                 raise UserError(f"interrupted while training {path}; run the same command again to continue")
-        if "--regenerate" in job["argv"] and mine.exists():
-            text = mine
+        if "--regenerate" in job["argv"] and all((path.parent / name).exists() for name in REGENERATED):
+            text = path.parent
 
 
 def regenerations(plans: dict, plan: dict) -> int:
     """Stories the target will write in this run: none when a drafter's folder has them already."""
     jobs = [job for job in plans.values() if job["argv"] and "--regenerate" in job["argv"]]
-    found = [(Path(job["path"]).parent / "regenerated.u16").exists() for job in jobs]
+    found = [all((Path(job["path"]).parent / name).exists() for name in REGENERATED) for job in jobs]
     needed = any(job["todo"] and not has for job, has in zip(jobs, found))
-    return plan["regenerate"] if needed and not any(found) else 0
+    return plan["regenerate"] + regenerate.validation_stories(plan["regenerate"]) if needed and not any(found) else 0
 
 
 def git_commit() -> str:
@@ -204,7 +207,7 @@ def canvas_frames(model, prompt, args, threshold=None):
 
 
 SWEEP = re.compile(r"^(.+)-([a-z])(\d+)$")  # spec-k4, dflash-b16, ddtree-n32, ssd-f3: family, knob, value
-KNOBS = {"k": "k", "b": "block size", "n": "budget", "f": "fan-out"}
+KNOBS = {"k": "k", "b": "block size", "n": "budget", "f": "fan-out", "g": "branches"}
 
 
 def sweeps(rows) -> dict:
