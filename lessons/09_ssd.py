@@ -169,7 +169,13 @@ print(f"   {fan} instead of fan-out 1's {[1] * (K + 1)}.")
 st = ssd_generate(target, draft, prompt, new, K, fan, temperature=0, stop_token=None, costs=costs)[1]
 print(f"   Hit rate {st['hit_rate']:.2f} (fan-out 1: {uniform[1]['hit_rate']:.2f}); lookups per k {st['lookups']}.")
 print("   The allocation assumes independent acceptances and a power law for the bonus's rank in q;")
-print("   acceptances come in streaks, so check it against the lookups per k you measure.\n")
+print("   acceptances come in streaks, so check it against the lookups per k you measure.")
+one = geometric_fan_out(1, K, 0.9)
+st = ssd_generate(target, draft, prompt, new, K, one, temperature=0, stop_token=None, threaded=True, costs=costs)[1]
+print("   On a CPU every branch is work the second core must finish within one verification, so the")
+print(f"   cheapest bet can win: one branch, {one} (all {K} drafts pass, then the draft's favourite):")
+print(f"   hit rate {st['hit_rate']:.2f}, {st['tokens_per_s']:.0f} tokens/s threaded against spec-k{K}'s "
+      f"{spec['tokens_per_s']:.0f} (bench row ssd-g1).\n")
 
 generator = torch.Generator().manual_seed(args.seed)
 st = ssd_generate(target, draft, prompt, new, K, 3, temperature=1.0, generator=generator, stop_token=None,

@@ -132,3 +132,15 @@ def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, t
         bench.main([*flags, "--device", "cpu"])
     assert "\n" not in str(error.value)
     assert not Path("out").exists()
+
+
+def test_the_readme_shows_the_results_table_docs_holds():
+    """README.md embeds the report's table with its device line; a new `--report docs` that the
+    README was not updated for fails here, so the front page never shows stale numbers."""
+    root = Path(__file__).resolve().parents[1]
+
+    def table(text):
+        block = text.split(START, 1)[1].split(END, 1)[0]
+        return [line for line in block.splitlines() if line.startswith(("|", "Device:"))]
+    results = table((root / "docs/RESULTS.md").read_text(encoding="utf-8"))
+    assert len(results) > 3 and table((root / "README.md").read_text(encoding="utf-8")) == results
