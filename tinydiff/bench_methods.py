@@ -7,6 +7,8 @@ holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFla
 "eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
+import torch
+
 from tinydiff.ar import ar_generate
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
@@ -53,9 +55,15 @@ def tree_counts(ids, stats):
 
 def run_ssd(models, prompt, args, generator, fan_out, k=4):
     """spec-k4 with the draft running ahead in a second thread, pre-drafting likely next rounds."""
-    ids, stats = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
-                              args.temperature, generator=generator, stop_token=None, threaded=True,
-                              costs=args.forward_costs)
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the draft's thread and the target's each get a core, as in generate.py
+    try:
+        ids, stats = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
+                                  args.temperature, generator=generator, stop_token=None, threaded=True,
+                                  costs=args.forward_costs)
+    finally:
+        torch.set_num_threads(threads)
     keep = ("hits", "lookups", "modelled_seconds_sd", "modelled_seconds_ssd")
     return {**chain_counts(ids, stats), **{key: stats[key] for key in keep}}
 

@@ -7,7 +7,7 @@ autoregressive decoding, with the draft on its own GPU.
 In speculative decoding (speculative.py) the draft waits while the target verifies. Here, during
 the verification of round t (committed seq S of L tokens, drafts x_1..x_n), the draft runs ahead:
   1. catch up: one forward over what its cache lacks up to x_n gives its logits after S + x_1..x_k
-     for every k = 0..n, and the KV rows every branch below shares;
+     for every k from the first that has branches to n, and the KV rows every branch below shares;
   2. predict the outcome: "k drafts accepted, then bonus b". For each k it takes the F_k likeliest
      tokens b of its own distribution at position k+1 (the target's p there is not known yet: the
      draft's q is the available proxy). For k < n, x_{k+1} itself is skipped: a rejected draft is
@@ -46,7 +46,9 @@ Two executions of the same algorithm (`threaded`):
          ahead = run-ahead forwards launched during its verification.
   True   the real overlap: the run-ahead in a second Python thread (torch releases the GIL inside
          its ops; give each side a core) or, on a GPU, on a second CUDA stream from that thread.
-Caches: the target's as in speculative.py; the draft's holds a prefix of seq[:-1] between rounds.
+Caches: the target's as in speculative.py; the draft's holds a prefix of seq[:-1] between rounds,
+and after a hit the hit branch's own K/V rows are copied in (`adopt`), so the next catch-up is one
+token, as after drafting just in time.
 
 Leaves out: Saguaro sampling (down-weighting cached tokens in q to raise hits), a fast backup
 speculator for misses, batches of prompts, running the draft on another device.
