@@ -77,6 +77,7 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
     assert rows["ar"]["tau"] == rows["ar"]["speedup_vs_ar"] == rows["ar"]["target_forwards_per_token"] == 1
     assert all(r["heldout_nll"] > 0 for r in first["rows"])
     assert first["date"] in generated and first["commit"] in generated and first["device"] in generated
+    assert "minutes, training included." in generated
     assert Path("report.json").exists() and len(first["prompts"]) == 1
 
     plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
@@ -93,6 +94,7 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
     generated = text.split(START)[1].split(END)[0]
     assert [r["method"] for r in second["rows"]] == ["ar", "spec-k2"]
     assert "| ar | " in generated and "| spec-k4 | " not in generated  # replaced, not appended
+    assert "minutes, every model reused." in generated
     plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
     assert plots == (["accepted_lengths.png"] if find_spec("matplotlib") else [])  # no stale plot survives
 

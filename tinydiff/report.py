@@ -284,7 +284,8 @@ def section(report: dict, args, plot_paths, folder: Path) -> str:
         return "-" if value is None else f"{value:{spec}}{suffix}"
     lines = [f"## Every method, measured by `python -m tinydiff.bench --report` ({report['date']})", "",
              f"Device: {report['device']} | commit {report['commit']} | preset `{report['preset']}` | temperature "
-             f"{args.temperature} | seed {args.seed} | {report['minutes']:.1f} minutes, training included.", "",
+             f"{args.temperature} | seed {args.seed} | {report['minutes']:.1f} minutes, "
+             f"{'training included' if report['trained_steps'] else 'every model reused'}.", "",
              "Models: " + "; ".join(f"{role} `{m['path']}` ({m['kind']}, {m['step']} steps)"
                                     for role, m in report["models"].items()) + ".", "",
              f"Prompts ({args.new_tokens} new tokens each), openings of held-out stories: "
@@ -376,7 +377,8 @@ def write_report(args, methods: list[str]) -> dict:
         rows, openings, models, args = measure_all(args, methods, plans, bar)
         minutes = bar.format_dict["elapsed"] / 60
     report = {"device": device_name(args.device), "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "minutes": minutes, "preset": args.report_preset, "prompts": [Tokenizer().decode(o) for o in openings],
+              "minutes": minutes, "trained_steps": sum(job["todo"] for job in plans.values()),
+              "preset": args.report_preset, "prompts": [Tokenizer().decode(o) for o in openings],
               "models": {role: {key: job[key] for key in ("path", "kind", "step")} for role, job in plans.items()},
               "rows": rows}
     for name in PLOTS:  # the last run's plots: none may outlive the table it belonged to
