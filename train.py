@@ -33,7 +33,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
-from tinydiff.regenerate import load_or_regenerate, validation_stories
+from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, validation_stories
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
@@ -281,9 +281,9 @@ def main(argv=None):
                             "with --target")
         target = model.target if run["model"] in DRAFTERS else load_target(run, device)
         out.mkdir(parents=True, exist_ok=True)
-        train_tokens = load_or_regenerate(out / "regenerated.u16", target, train_tokens, run["regenerate"], run["seed"])
-        val_tokens = load_or_regenerate(out / "regenerated-val.u16", target, val_tokens,
-                                        validation_stories(run["regenerate"]), run["seed"])
+        train_file, val_file = (out / name for name in REGENERATED)
+        train_tokens = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"])
+        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
     window = config.context + extra
     val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 

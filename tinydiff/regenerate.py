@@ -16,6 +16,9 @@ from tinydiff.sampling import next_token_probs, sample
 from tinydiff.tokenizer import EOT
 
 
+FILES = ("regenerated.u16", "regenerated-val.u16")  # a run folder's training and validation text
+
+
 def story_openings(tokens, n: int, length: int, seed: int) -> list[list[int]]:
     """n openings of `length` tokens, each right after a random EOT of the token array."""
     starts = np.flatnonzero(np.asarray(tokens) == EOT) + 1

@@ -147,9 +147,6 @@ def stand_in_bar(bar, stage: str):
     return Inner
 
 
-REGENERATED = ("regenerated.u16", "regenerated-val.u16")  # train.py --regenerate's training and validation text
-
-
 def train_missing(plans: dict, bar):
     text = None  # the folder whose stories the target regenerated in this run; the drafters all use them
     for role, job in plans.items():
@@ -160,7 +157,7 @@ def train_missing(plans: dict, bar):
             bar.write(f"{role}: reusing {path}")
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            for name in REGENERATED if "--regenerate" in job["argv"] and text else ():
+            for name in regenerate.FILES if "--regenerate" in job["argv"] and text else ():
                 if not (path.parent / name).exists():  # the same target, openings, count and seed: the same stories
                     shutil.copyfile(text / name, path.parent / name)
             argv = job["argv"] + (["--resume"] if path.exists() else [])
@@ -171,16 +168,16 @@ def train_missing(plans: dict, bar):
                 train.main(argv)
             if steps_left(path, job["argv"]) > 0:  # train.py saves and returns on Ctrl-C
                 raise UserError(f"interrupted while training {path}; run the same command again to continue")
-        if "--regenerate" in job["argv"] and all((path.parent / name).exists() for name in REGENERATED):
+        if "--regenerate" in job["argv"] and all((path.parent / name).exists() for name in regenerate.FILES):
             text = path.parent
 
 
 def regenerations(plans: dict, plan: dict) -> int:
     """Stories the target will write in this run: none when a drafter's folder has them already."""
     jobs = [job for job in plans.values() if job["argv"] and "--regenerate" in job["argv"]]
-    found = [all((Path(job["path"]).parent / name).exists() for name in REGENERATED) for job in jobs]
-    needed = any(job["todo"] and not has for job, has in zip(jobs, found))
-    return plan["regenerate"] + regenerate.validation_stories(plan["regenerate"]) if needed and not any(found) else 0
+    found = [all((Path(job["path"]).parent / name).exists() for name in regenerate.FILES) for job in jobs]
+    n = plan["regenerate"]
+    return 0 if any(found) or not any(job["todo"] for job in jobs) else n + regenerate.validation_stories(n)
 
 
 def git_commit() -> str:
@@ -284,8 +281,7 @@ def section(report: dict, args, plot_paths, folder: Path) -> str:
         return "-" if value is None else f"{value:{spec}}{suffix}"
     lines = [f"## Every method, measured by `python -m tinydiff.bench --report` ({report['date']})", "",
              f"Device: {report['device']} | commit {report['commit']} | preset `{report['preset']}` | temperature "
-             f"{args.temperature} | seed {args.seed} | {report['minutes']:.1f} minutes, "
-             f"{'training included' if report['trained_steps'] else 'every model reused'}.", "",
+             f"{args.temperature} | seed {args.seed} | {report['minutes']:.1f} minutes, {report['training']}.", "",
              "Models: " + "; ".join(f"{role} `{m['path']}` ({m['kind']}, {m['step']} steps)"
                                     for role, m in report["models"].items()) + ".", "",
              f"Prompts ({args.new_tokens} new tokens each), openings of held-out stories: "
@@ -377,7 +373,7 @@ def write_report(args, methods: list[str]) -> dict:
         rows, openings, models, args = measure_all(args, methods, plans, bar)
         minutes = bar.format_dict["elapsed"] / 60
     report = {"device": device_name(args.device), "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "minutes": minutes, "trained_steps": sum(job["todo"] for job in plans.values()),
+              "minutes": minutes, "training": "training included" if total > len(methods) else "every model reused",
               "preset": args.report_preset, "prompts": [Tokenizer().decode(o) for o in openings],
               "models": {role: {key: job[key] for key in ("path", "kind", "step")} for role, job in plans.items()},
               "rows": rows}
