@@ -122,6 +122,19 @@ def check_target(config, target, what: str = "drafter"):
                             f"{getattr(t, name)}; pass the target checkpoint the {what} was trained against")
 
 
+def init_around(drafter: nn.Module, target: Transformer, n_layer: int):
+    """A drafter's own weights initialised as the target's were (residual outputs scaled down by
+    sqrt(2 n_layer)), its final norm copied from the target's, and the drafter moved to its device.
+    Shared by the drafters built around a target (DFlash, EAGLE-3)."""
+    drafter.apply(Transformer._init_weights)
+    for name, p in drafter.named_parameters():
+        if name.endswith(("wo.weight", "down.weight")):
+            nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(target.norm.weight)
+    drafter.to(target.embed.weight.device)
+
+
 class DrafterLayer(Block):
     """A target-style block (same modules) whose attention also reads the context's keys/values."""
 
@@ -163,13 +176,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_table(config.context + config.block_size, D // H, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(Transformer._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "down.weight")):
-                nn.init.normal_(p, std=0.02 / (2 * config.n_layer) ** 0.5)
-        with torch.no_grad():
-            self.norm.weight.copy_(target.norm.weight)
-        self.to(target.embed.weight.device)
+        init_around(self, target, config.n_layer)
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """Context K/V per drafter layer, for up to `context` committed positions."""

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.dflash import check_target, rebuild_around, target_dims
+from tinydiff.dflash import check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
 from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
 from tinydiff.sampling import next_token_probs
@@ -123,13 +123,7 @@ class EagleHead(nn.Module):
         cos, sin = rope_table(config.context, D // H, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(Transformer._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "down.weight")):
-                nn.init.normal_(p, std=0.02 / 2 ** 0.5)
-        with torch.no_grad():
-            self.norm.weight.copy_(target.norm.weight)
-        self.to(target.embed.weight.device)
+        init_around(self, target, n_layer=1)  # one layer
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """The block's K/V of committed rows (row t: feature of position t, token t+1)."""
