@@ -45,7 +45,7 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
-                "feature_layers")
+                "feature_layers", "drafter_layers")
 
 
 def layer_ids(text: str) -> list[int]:
@@ -80,6 +80,7 @@ def parse_args(argv=None):
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
     dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
     dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
+    dflash.add_argument("--drafter-layers", type=int, help="dflash: the drafter's own Transformer layers (default 1)")
     dflash.add_argument("--feature-layers", type=layer_ids,
                         help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
     moe = p.add_argument_group("mdlm-moe")
@@ -96,7 +97,7 @@ def defaults(args, device: str) -> dict:
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "target": None, "block_size": 16, "regenerate": None,
-                "steps_ahead": 3, "feature_layers": None}
+                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -160,14 +161,17 @@ def load_target(run: dict, device: str):
 
 def build_model(run: dict, device: str, ckpt=None, path=None):
     """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
-    if run["feature_layers"] and run["model"] != "dflash":
-        raise UserError("--feature-layers applies to --model dflash only (EAGLE-3 fuses 3 fixed layers)")
+    # .get: a run resumed from a checkpoint older than these flags has neither
+    if (run.get("feature_layers") or run.get("drafter_layers") is not None) and run["model"] != "dflash":
+        raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
+                        "fusing 3 fixed target layers)")
     if run["model"] == "dflash":
         target = load_target(run, device)
         if ckpt is not None:
             return drafter_from(ckpt, target, path)
-        layers = {"feature_layers": run["feature_layers"]} if run["feature_layers"] else {}
-        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **layers), target)
+        given = {"feature_layers": run.get("feature_layers"), "n_layer": run.get("drafter_layers")}
+        overrides = {key: value for key, value in given.items() if value is not None}
+        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides), target)
     if run["model"] == "eagle3":
         target = load_target(run, device)
         if ckpt is not None:

@@ -172,6 +172,10 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
     train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "cut")])
     monkeypatch.undo()
+    cut = torch.load(tmp_path / "cut" / "ckpt.pt", weights_only=True)
+    for key in ("feature_layers", "drafter_layers"):  # as a checkpoint written before these flags existed
+        del cut["args"][key]
+    torch.save(cut, tmp_path / "cut" / "ckpt.pt")
     train.main(["--out", str(tmp_path / "cut"), "--resume"])
     assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
     with pytest.raises(UserError, match="needs --target"):
@@ -180,12 +184,16 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
         train.main([*common, "--feature-layers", "1,9", "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit):  # argparse's one-line usage error
         train.parse_args(["--feature-layers", "1,two"])
+    with pytest.raises(UserError, match="n_layer >= 1"):
+        train.main([*common, "--drafter-layers", "0", "--out", str(tmp_path / "x")])
+    train.main([*common, "--drafter-layers", "2", "--max-steps", "1", "--out", str(tmp_path / "two")])
+    assert load_checkpoint(tmp_path / "two" / "ckpt.pt")["config"]["n_layer"] == 2
     eagle = ["--model", "eagle3", "--target", str(tmp_path / "target.pt"), "--steps-ahead", "2", *common[6:]]
     train.main([*eagle, "--out", str(tmp_path / "eagle")])
     head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")
     assert head["kind"] == "eagle3" and head["config"]["steps_ahead"] == 2 and head["step"] == 4
     assert not any(k.startswith(("embed.", "blocks.")) for k in head["model"])  # the head's own weights only
-    with pytest.raises(UserError, match="--feature-layers applies to --model dflash only"):
+    with pytest.raises(UserError, match="--feature-layers and --drafter-layers apply to --model dflash only"):
         train.main([*eagle, "--feature-layers", "1", "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="--regenerate trains a draft"):
         train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))
