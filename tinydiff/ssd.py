@@ -158,7 +158,8 @@ def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, genera
     first = worth[0]  # the logits after S + x_1..x_k come from row L-1+k: only rows from L-1+first are needed
     cache.crop(min(cache.length, L - 1 + first))
     start = cache.length
-    x = torch.cat([torch.tensor(seq, device=device), drafts])[start:][None]  # (1, L + n - start)
+    x = torch.cat([torch.tensor(seq[start:], device=device, dtype=torch.long), drafts[max(0, start - L):]])[None]
+    # (1, L + n - start): only what the cache lacks, whether it ends inside seq or inside the drafts
     logits = draft(x, cache=cache, causal=True)[0, L - 1 + first - start:]  # (n+1-first, V)
     branches = branches_for(logits, drafts, fan_out, next_drafts, stop_token, first)
     P = L + n  # rows every branch shares a prefix of
