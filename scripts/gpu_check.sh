@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# gpu_check.sh [LOGDIR]: the checks that need a CUDA GPU, logged to LOGDIR (default $OUT, else ./gpu_logs).
+# gpu_check.sh [LOGDIR [BENCH ARGS...]]: the checks that need a CUDA GPU, logged to LOGDIR (default $OUT,
+# else ./gpu_logs). Arguments after LOGDIR go to step 3's bench, e.g. trained checkpoints:
+#   scripts/gpu_check.sh logs --ckpt out/ar-tiny/ckpt.pt --drafter out/dflash-tiny/ckpt.pt
 #
 #   1. tests/test_kernels.py (each kernel against its reference) and tests/test_kernel_paths.py (the
 #      model paths with and without the kernels), the kernels compiled for the GPU (TRITON_INTERPRET=0);
 #   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
 #      paths, and the Triton kernels at other tile sizes;
-#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on untrained tiny models (every method,
-#      the kernels in the model paths).
+#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given
+#      (every method, the kernels in the model paths).
 # Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR or
 # ../shared/tiktoken-cache; without them step 3 is skipped). Each step has a time limit, so the
 # whole script ends within 8 minutes; a step that fails or times out is reported and the others
@@ -14,7 +16,8 @@
 set -u
 cd "$(dirname "$0")/.."
 LOGDIR="${1:-${OUT:-./gpu_logs}}"
-PY="${PYTHON:-python}"
+shift $(( $# > 0 ? 1 : 0 ))
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 mkdir -p "$LOGDIR"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -54,9 +57,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernel_paths.py
 # The rows are written as they come (FlexAttention's, slow to compile, last): a timeout keeps them.
-step kernel_bench 230 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
+step kernel_bench 240 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
-    step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json"
+    step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
 else
     echo "bench          SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
         | tee -a "$LOGDIR/summary.txt"

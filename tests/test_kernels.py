@@ -8,6 +8,7 @@ crosses partial tiles and several chunks; grids stay small because the interpret
 milliseconds per program instance. The references are evaluated in float64 on the same inputs,
 so a kernel is held to its own dtype's accuracy, not to another float32 implementation's rounding.
 """
+import json
 import os
 import subprocess
 import sys
@@ -324,3 +325,18 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_kernel_bench_checks_every_path_against_the_reference(tmp_path):
+    # On CPU only the references are timed (Triton's timings need a GPU); on a GPU every path is, and
+    # each must give the reference's answer: float32 to 1e-4, TF32 products to TF32's 10-bit accuracy.
+    from tinydiff.kernels import bench
+    x = torch.randn(4, 8, dtype=torch.float32)
+    assert bench.agrees(x + 1e-3, x, tf32=True) and not bench.agrees(x + 1e-3, x, tf32=False)
+    rows_file = tmp_path / "rows.json"
+    bench.main(["--kernels", "sampler,moe", "--reps", "1", "--json", str(rows_file)])
+    rows = json.loads(rows_file.read_text())["rows"]
+    assert {(r["kernel"], r["path"]) for r in rows} >= {("sampler", "reference"), ("moe", "reference")}
+    assert all(r["ok"] and r["ms"] > 0 for r in rows)
+    assert all((r["gpu_ms"] is None) == (not torch.cuda.is_available() or r["path"] in ("reference", "bmm")
+                                         and r["kernel"] == "moe") for r in rows)

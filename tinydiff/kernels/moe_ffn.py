@@ -71,7 +71,8 @@ def group_by_expert(experts, n_experts: int, block_m: int):
     n_tiles_max = ceil(N*k / block_m) + n_experts bounds the tile count without reading it back.
     """
     flat = experts.flatten()  # (N*k,) expert of each pair
-    counts = torch.bincount(flat, minlength=n_experts)  # (E,) pairs per expert, 0 for empty experts
+    # (E,) pairs per expert, 0 for empty experts; a scatter, since CUDA's bincount reads flat.max() back
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     tiles = (counts + block_m - 1) // block_m  # (E,) row tiles per expert
     order = torch.argsort(flat, stable=True)  # pair ids grouped by expert
     first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`

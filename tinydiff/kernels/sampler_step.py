@@ -25,6 +25,8 @@ torch.Generator's, which would change the sampled tokens; it would also save rea
 random remasking (its confidence is a uniform draw, no vocabulary pass), top-k / top-p warping,
 one launch instead of two (the last program of a row could combine, behind an atomic counter).
 """
+import functools
+
 import torch
 
 from tinydiff.diffusion import subs_logits
@@ -125,6 +127,18 @@ def _combine_kernel(stats_ptr, ids_ptr, cand_ptr, conf_ptr, V, SPLIT, BLOCK: tl.
     tl.store(conf_ptr + row, tl.exp(logit_c - M) / S)
 
 
+@functools.lru_cache(maxsize=8)
+def multiprocessors(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=16)
+def temperature_tensor(temperature: float, device) -> torch.Tensor:
+    """T as a float64 tensor on the device: a Python float argument would reach the kernel rounded to
+    float32. Kept per (T, device), so a step copies nothing to the GPU (and a CUDA graph can hold it)."""
+    return torch.tensor([temperature], dtype=torch.float64, device=device)
+
+
 def sampler_step_triton(logits, temperature: float, uniforms=None, block_v: int = 2048, split: int | None = None):
     """The kernel; same arguments and result as `sampler_step_reference`.
 
@@ -143,15 +157,14 @@ def sampler_step_triton(logits, temperature: float, uniforms=None, block_v: int 
     u = (uniforms if uniforms.stride(-1) == 1 else uniforms.contiguous()) if noise else logits  # unread at T = 0
     block_v = min(block_v, triton.next_power_of_2(V))
     if split is None:
-        programs = 4 * torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
+        programs = 4 * multiprocessors(logits.device) if logits.is_cuda else 1
         split = max(1, min(triton.cdiv(programs, N), triton.cdiv(V, block_v)))
     per = triton.cdiv(triton.cdiv(V, split), block_v) * block_v  # ids per slice, whole chunks
     split = triton.cdiv(V, per)  # no empty slice
     stats = torch.empty(N, split, 4, dtype=torch.float64, device=logits.device)  # max, sum, best score, its logit
     ids = torch.empty(N, split, dtype=torch.int64, device=logits.device)  # the best score's id
-    # T as a float64 tensor: a Python float argument would reach the kernel rounded to float32.
-    temperature = torch.tensor([float(temperature)], dtype=torch.float64, device=logits.device)
-    _sampler_step_kernel[(N, split)](logits, u, temperature, stats, ids, V, per, MASK if V > MASK else -1,
+    t = temperature_tensor(float(temperature), logits.device)
+    _sampler_step_kernel[(N, split)](logits, u, t, stats, ids, V, per, MASK if V > MASK else -1,
                                      logits.stride(0), u.stride(0), BLOCK_V=block_v, NOISE=noise, num_warps=8)
     candidates = torch.empty(N, dtype=torch.int64, device=logits.device)
     confidence = torch.empty(N, dtype=torch.float64, device=logits.device)
