@@ -92,16 +92,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, H, d, scale,
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int = 64, precision: str = "ieee"):
+def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int | None = None, precision: str = "ieee"):
     """The kernel: q (B, H, T, d), k, v (B, H, S, d), mask as in `broadcast_mask` -> (B, H, T, d).
 
-    block_t, block_s: query rows and keys per tile, powers of 2 >= 16 (16 x 64 compiles for sm_80
-    and sm_90 without register spills at head dim 32; larger tiles mean fewer, busier programs).
+    block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 64 for
+    float32 and 128 for 16-bit inputs: the fastest on an H200 at head dim 32 for every case of
+    `python -m tinydiff.kernels.bench --sweep` (docs/RESULTS.md); larger tiles mean fewer, busier programs.
 
     precision: "ieee" (exact float32 products, the default) or "tf32" (faster float32 on a GPU).
     """
     B, H, T, d = q.shape
     S = k.shape[2]
+    block_s = block_s or (64 if q.dtype == torch.float32 else 128)
     if k.shape != (B, H, S, d) or v.shape != k.shape:
         raise ValueError(f"k, v must be (B, H, S, d) = ({B}, {H}, S, {d}); got {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
