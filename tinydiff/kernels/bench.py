@@ -21,9 +21,10 @@ CUDA graph and replayed, so the device's time alone; '-' for paths that read a r
 host, which a graph cannot hold), GB/s (the bytes a perfect kernel must move / time) and TFLOP/s
 (the useful FLOPs / time), both over gpu_ms where there is one, floor_ms = max(bytes / measured
 copy bandwidth, FLOPs / measured matmul rate) and of_floor = floor_ms / that time (1.0 would be the
-physical limit), ok = the output agrees with the reference (TF32 rows to TF32's accuracy). --sweep adds rows for other
-tile sizes of the Triton kernels (defaults in their launchers; pick new ones from these rows). At these sizes every path is far
-from its floor: a launch costs a few microseconds, which is what fusing into one launch buys.
+physical limit), ok = the output agrees with the reference (TF32 rows to TF32's accuracy).
+--sweep adds rows for other tile sizes of the Triton kernels (defaults in their launchers; pick
+new ones from these rows). At these sizes every path is far from its floor: a launch costs a few
+microseconds, which is what fusing into one launch buys.
 On a machine without CUDA the Triton timings need a GPU: only the references are timed.
 """
 import argparse

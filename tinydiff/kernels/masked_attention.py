@@ -95,9 +95,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, H, d, scale,
 def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int | None = None, precision: str = "ieee"):
     """The kernel: q (B, H, T, d), k, v (B, H, S, d), mask as in `broadcast_mask` -> (B, H, T, d).
 
-    block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 64 for
-    float32 and 128 for 16-bit inputs: the fastest on an H200 at head dim 32 for every case of
-    `python -m tinydiff.kernels.bench --sweep` (docs/RESULTS.md); larger tiles mean fewer, busier programs.
+    block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 128 for
+    16-bit inputs (on an H200 at head dim 32 the fastest tile in every case of `python -m
+    tinydiff.kernels.bench --sweep`) and 64 for float32 (the fastest there for tree verification).
 
     precision: "ieee" (exact float32 products, the default) or "tf32" (faster float32 on a GPU).
     """
