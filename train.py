@@ -45,7 +45,7 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
-                "feature_layers", "drafter_layers")
+                "feature_layers", "drafter_layers", "openings")
 
 
 def layer_ids(text: str) -> list[int]:
@@ -79,6 +79,8 @@ def parse_args(argv=None):
     dflash.add_argument("--target", help="the AR target checkpoint the draft or drafter learns to draft for")
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
     dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
+    dflash.add_argument("--openings", choices=["corpus", "target"],
+                        help="--regenerate's story openings: the corpus's (default), or sampled by the target")
     dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
     dflash.add_argument("--drafter-layers", type=int, help="dflash: the drafter's own Transformer layers (default 1)")
     dflash.add_argument("--feature-layers", type=layer_ids,
@@ -97,7 +99,7 @@ def defaults(args, device: str) -> dict:
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "target": None, "block_size": 16, "regenerate": None,
-                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None}
+                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus"}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -279,6 +281,8 @@ def main(argv=None):
     tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
+    if run.get("openings") == "target" and not run["regenerate"]:
+        raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
         if run["model"] not in (*DRAFTERS, "ar"):
             raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
@@ -286,7 +290,8 @@ def main(argv=None):
         target = model.target if run["model"] in DRAFTERS else load_target(run, device)
         out.mkdir(parents=True, exist_ok=True)
         train_file, val_file = (out / name for name in REGENERATED)
-        train_tokens = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"])
+        train_tokens = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
+                                          run.get("openings") == "target")  # .get: older checkpoints lack it
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
     window = config.context + extra
     val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)

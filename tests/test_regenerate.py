@@ -54,3 +54,17 @@ def test_batched_regeneration_writes_what_greedy_decoding_writes(tiny_model, bat
 def test_regenerate_asks_for_at_least_one_story(tiny_model):
     with pytest.raises(UserError, match="--regenerate must be >= 1"):
         regenerate(tiny_model, corpus(), 0, seed=0)
+
+
+def test_sampled_openings_are_sampled_then_continued_greedily(tiny_model):
+    # The target samples each opening (never EOT), then writes what greedy decoding writes after it.
+    target = StopsEarly(tiny_model).eval()
+    text = regenerate(target, corpus(), 9, seed=5, opening=4, batch_size=4, sampled_openings=True)
+    stories = split_stories(text)
+    assert len(stories) == 9 and text[0] == EOT and text[-1] == EOT
+    assert len({tuple(story[:4]) for story in stories}) == 9  # 9 distinct starts from one prompt
+    for story in stories:
+        ids, _ = ar_generate(target, [EOT] + story[:4], None, 0.0)
+        assert story == story[:4] + [t for t in ids if t != EOT]
+    again = regenerate(target, corpus(), 9, seed=5, opening=4, batch_size=4, sampled_openings=True)
+    assert np.array_equal(text, again)

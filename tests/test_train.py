@@ -173,7 +173,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "cut")])
     monkeypatch.undo()
     cut = torch.load(tmp_path / "cut" / "ckpt.pt", weights_only=True)
-    for key in ("feature_layers", "drafter_layers"):  # as a checkpoint written before these flags existed
+    for key in ("feature_layers", "drafter_layers", "openings"):  # as a checkpoint written before these flags
         del cut["args"][key]
     torch.save(cut, tmp_path / "cut" / "ckpt.pt")
     train.main(["--out", str(tmp_path / "cut"), "--resume"])
@@ -188,6 +188,13 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
         train.main([*common, "--drafter-layers", "0", "--out", str(tmp_path / "x")])
     train.main([*common, "--drafter-layers", "2", "--max-steps", "1", "--out", str(tmp_path / "two")])
     assert load_checkpoint(tmp_path / "two" / "ckpt.pt")["config"]["n_layer"] == 2
+    train.main([*common, "--openings", "target", "--max-steps", "1", "--out", str(tmp_path / "sampled")])
+    sampled, full = tmp_path / "sampled", tmp_path / "full"
+    assert (sampled / "regenerated.u16").read_bytes() != (full / "regenerated.u16").read_bytes()
+    # ... while validation keeps the corpus's openings, which is what a drafter is judged on
+    assert (sampled / "regenerated-val.u16").read_bytes() == (full / "regenerated-val.u16").read_bytes()
+    with pytest.raises(UserError, match="--openings picks where --regenerate's stories start"):
+        train.main(argv(story_file, tmp_path / "w", "--openings", "target"))
     eagle = ["--model", "eagle3", "--target", str(tmp_path / "target.pt"), "--steps-ahead", "2", *common[6:]]
     train.main([*eagle, "--out", str(tmp_path / "eagle")])
     head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")

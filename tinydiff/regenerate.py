@@ -3,6 +3,11 @@
 A drafter is judged by how often it agrees with the *target*, not with the corpus. Training it on
 the target's own continuations (DFlash, EAGLE and Medusa all do this) teaches it exactly what it
 will be asked to predict. Greedy continuations match greedy (temperature 0) decoding.
+A small corpus has few distinct openings (the 2,000-story sample has 585 distinct 8-token ones:
+most begin "Once upon a time, there was a"), and greedy continuations of equal openings are equal
+stories. `sampled_openings=True` lets the target sample each opening instead (temperature 1, never
+EOT) and continue it greedily: as many distinct story starts as stories, from the target's own
+distribution. Validation keeps the corpus's openings, which is what the drafter is judged on.
 Leaves out: sampled continuations at several temperatures, mixing regenerated and real text.
 """
 import os
@@ -31,8 +36,10 @@ def story_openings(tokens, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def continue_batch(target, prompts: list[list[int]], temperature: float, generator) -> list[list[int]]:
-    """Each prompt (all of one length) continued until its first EOT or the context is full.
+def continue_batch(target, prompts: list[list[int]], temperature: float, generator,
+                   sample_first: int = 0) -> list[list[int]]:
+    """Each prompt (all of one length) continued until its first EOT or the context is full; the first
+    `sample_first` new tokens are drawn at temperature 1 and are never EOT (a sampled story opening).
 
     One KV cache with a row per prompt: every step is one (rows, 1) forward, so a batch costs
     little more than one story while the weights, not the rows, bound a forward's time.
@@ -44,7 +51,10 @@ def continue_batch(target, prompts: list[list[int]], temperature: float, generat
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(target.config.context - len(prompts[0])):
         logits = target(x, cache=cache, causal=True)[:, -1]  # (rows, V)
-        x = sample(next_token_probs(logits, temperature, None, None), generator)[:, None]  # (rows, 1)
+        if out.shape[1] < sample_first:
+            logits[:, EOT] = float("-inf")
+        t = 1.0 if out.shape[1] < sample_first else temperature
+        x = sample(next_token_probs(logits, t, None, None), generator)[:, None]  # (rows, 1)
         out = torch.cat([out, x], 1)
         ended |= x[:, 0] == EOT
         if ended.all():
@@ -54,8 +64,9 @@ def continue_batch(target, prompts: list[list[int]], temperature: float, generat
 
 
 def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature: float = 0.0,
-               batch_size: int = 32) -> np.ndarray:
-    """uint16 token array: n stories, each EOT + an opening from `tokens` + the target's continuation.
+               batch_size: int = 32, sampled_openings: bool = False) -> np.ndarray:
+    """uint16 token array: n stories, each EOT + an opening from `tokens` (or sampled by the target)
+    + the target's continuation.
 
     Greedy by default: the text greedy (temperature 0) decoding writes after each opening, batch_size
     stories at a time (a batched forward may round differently from a single row, so a near-tie can
@@ -64,12 +75,13 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     if n < 1:
         raise UserError(f"--regenerate must be >= 1 stories, got {n}")
     generator = torch.Generator(target.embed.weight.device).manual_seed(seed)
-    prompts = [[EOT] + p for p in story_openings(tokens, n, opening, seed)]
+    prompts = [[EOT]] * n if sampled_openings else [[EOT] + p for p in story_openings(tokens, n, opening, seed)]
+    sample_first = opening if sampled_openings else 0
     out = []
     bar = tqdm(total=n, desc="regenerating", unit="story")
     for i in range(0, n, batch_size):
         chunk = prompts[i:i + batch_size]
-        for prompt, ids in zip(chunk, continue_batch(target, chunk, temperature, generator)):
+        for prompt, ids in zip(chunk, continue_batch(target, chunk, temperature, generator, sample_first)):
             out += prompt + [t for t in ids if t != EOT]
         bar.update(len(chunk))
     bar.close()
@@ -82,11 +94,11 @@ def validation_stories(n: int) -> int:
     return max(16, n // 10)
 
 
-def load_or_regenerate(path, target, tokens, n: int, seed: int) -> np.ndarray:
+def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings: bool = False) -> np.ndarray:
     """The regenerated text cached at `path` (written atomically), made once per run."""
     if os.path.exists(path):
         return np.fromfile(path, dtype=np.uint16)
-    text = regenerate(target, tokens, n, seed)
+    text = regenerate(target, tokens, n, seed, sampled_openings=sampled_openings)
     tmp = f"{path}.tmp{os.getpid()}"
     text.tofile(tmp)
     os.replace(tmp, path)
