@@ -78,7 +78,7 @@ def parse_args(argv=None):
     dflash = p.add_argument_group("drafters (dflash, eagle3, or an ar draft with --regenerate)")
     dflash.add_argument("--target", help="the AR target checkpoint the draft or drafter learns to draft for")
     dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
-    dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from corpus openings")
+    dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from story openings")
     dflash.add_argument("--openings", choices=["corpus", "target"],
                         help="--regenerate's story openings: the corpus's (default), or sampled by the target")
     dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
@@ -107,6 +107,8 @@ def defaults(args, device: str) -> dict:
     for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
         if run[key] < 1:
             raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {run[key]}")
+    if run["openings"] == "target" and not run["regenerate"]:
+        raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     return run
 
 
@@ -281,8 +283,6 @@ def main(argv=None):
     tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
-    if run.get("openings") == "target" and not run["regenerate"]:
-        raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
         if run["model"] not in (*DRAFTERS, "ar"):
             raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
