@@ -51,10 +51,11 @@ def continue_batch(target, prompts: list[list[int]], temperature: float, generat
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(target.config.context - len(prompts[0])):
         logits = target(x, cache=cache, causal=True)[:, -1]  # (rows, V)
-        if out.shape[1] < sample_first:
+        opening = out.shape[1] < sample_first
+        if opening:
             logits[:, EOT] = float("-inf")
-        t = 1.0 if out.shape[1] < sample_first else temperature
-        x = sample(next_token_probs(logits, t, None, None), generator)[:, None]  # (rows, 1)
+        probs = next_token_probs(logits, 1.0 if opening else temperature, None, None)
+        x = sample(probs, generator)[:, None]  # (rows, 1)
         out = torch.cat([out, x], 1)
         ended |= x[:, 0] == EOT
         if ended.all():
