@@ -163,31 +163,56 @@ def load_target(run: dict, device: str):
     return target.requires_grad_(False)
 
 
+def init_checkpoint(run: dict) -> dict:
+    """--init's checkpoint, when it holds the run's kind of model (or AR weights for an MDLM to adapt)."""
+    init = load_checkpoint(run["init"])
+    if init["kind"] != run["model"] and not (init["kind"] == "ar" and run["model"] == "mdlm"):
+        raise UserError(f"--init {run['init']} holds a {init['kind']} model, not {run['model']}")
+    return init
+
+
+def check_init_shape(run: dict, config, wanted: dict):
+    """A drafter continued from --init keeps its shape: a flag asking for another one is an error."""
+    for key, value in wanted.items():
+        if getattr(config, key) != value:
+            flag = {"n_layer": "drafter-layers"}.get(key, key.replace("_", "-"))
+            raise UserError(f"--init {run['init']} has {key} {getattr(config, key)}, this run asks for {value}; "
+                            f"pass --{flag} to match, or start without --init")
+
+
 def build_model(run: dict, device: str, ckpt=None, path=None):
     """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
     # .get: a run resumed from a checkpoint older than these flags has neither
     if (run.get("feature_layers") or run.get("drafter_layers") is not None) and run["model"] != "dflash":
         raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
                         "fusing 3 fixed target layers)")
+    from_init = run["model"] in ("dflash", "eagle3") and run["init"] and ckpt is None
+    if from_init:  # a new run that continues a drafter's weights
+        ckpt, path = init_checkpoint(run), run["init"]
     if run["model"] == "dflash":
         target = load_target(run, device)
-        if ckpt is not None:
-            return drafter_from(ckpt, target, path)
         given = {"feature_layers": run.get("feature_layers"), "n_layer": run.get("drafter_layers")}
         overrides = {key: value for key, value in given.items() if value is not None}
-        return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides), target)
+        if ckpt is None:
+            return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
+                                 target)
+        drafter = drafter_from(ckpt, target, path)
+        if from_init:
+            check_init_shape(run, drafter.config, {"block_size": run["block_size"], **overrides})
+        return drafter
     if run["model"] == "eagle3":
         target = load_target(run, device)
-        if ckpt is not None:
-            return head_from(ckpt, target, path)
-        return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
+        if ckpt is None:
+            return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
+        head = head_from(ckpt, target, path)
+        if from_init:
+            check_init_shape(run, head.config, {"steps_ahead": run["steps_ahead"]})
+        return head
     if ckpt is not None:
         return model_from(ckpt, path, device)
     if run["init"]:
-        init = load_checkpoint(run["init"])
+        init = init_checkpoint(run)
         adapt = init["kind"] == "ar" and run["model"] == "mdlm"
-        if init["kind"] != run["model"] and not adapt:
-            raise UserError(f"--init {run['init']} holds a {init['kind']} model, not {run['model']}")
         model = model_from(init, run["init"], device)
         if adapt:  # AR-to-diffusion adaptation (Dream 7B): the AR weights, bidirectional attention, and
             # the AR head's alignment kept (output i predicts token i+1; see tinydiff/diffusion.py)

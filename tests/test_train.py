@@ -195,6 +195,17 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert (sampled / "regenerated-val.u16").read_bytes() == (full / "regenerated-val.u16").read_bytes()
     with pytest.raises(UserError, match="--openings picks where --regenerate's stories start"):
         train.main(argv(story_file, tmp_path / "w", "--openings", "target"))
+    # --init: a new run (fresh optimizer and schedule) that starts from a trained drafter's weights
+    continued = [*common, "--feature-layers", "0,2", "--init", str(full / "ckpt.pt"), "--max-steps", "1"]
+    train.main([*continued, "--lr", "1e-12", "--min-lr", "1e-12", "--out", str(tmp_path / "more")])
+    more = load_checkpoint(tmp_path / "more" / "ckpt.pt")
+    assert more["step"] == 1 and more["config"] == ckpt["config"]
+    for key, value in ckpt["model"].items():  # one step at lr 1e-12 leaves the weights it started from
+        torch.testing.assert_close(more["model"][key], value, rtol=0, atol=1e-8)
+    with pytest.raises(UserError, match="has block_size 4, this run asks for 8; pass --block-size"):
+        train.main([*continued, "--block-size", "8", "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="holds a ar model, not dflash"):
+        train.main([*common, "--init", str(tmp_path / "target.pt"), "--out", str(tmp_path / "x")])
     eagle = ["--model", "eagle3", "--target", str(tmp_path / "target.pt"), "--steps-ahead", "2", *common[6:]]
     train.main([*eagle, "--out", str(tmp_path / "eagle")])
     head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")
