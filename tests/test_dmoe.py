@@ -20,7 +20,8 @@ def random_scores(B, T, E, seed, sharp=3.0):
 
 
 def blocks_of(T, block_size):
-    return [range(lo, min(lo + block_size, T)) for lo in range(0, T, block_size)]
+    """Routing blocks counted back from the end, where the sampler's canvas blocks end."""
+    return [range(max(0, hi - block_size), hi) for hi in range(T, 0, -block_size)][::-1]
 
 
 def loop_mass(scores, b, block, top_k):
@@ -83,12 +84,12 @@ def test_reaching_the_threshold_exactly_stops_the_coreset():
     assert members(0.1) == [0] and members(1.0) == [0, 1, 2, 3]
 
 
-def test_a_ragged_last_block_is_routed_on_its_own_tokens():
+def test_a_ragged_first_block_is_routed_on_its_own_tokens():
     scores = random_scores(2, 37, 16, seed=5)
     coreset = block_routing(scores, 3, 16, 0.6, 3)
     assert coreset.shape == (2, 3, 16)
-    assert torch.equal(coreset[:, 2:], block_routing(scores[:, 32:], 3, 16, 0.6, 3))
-    assert torch.equal(coreset[:, :2], block_routing(scores[:, :32], 3, 16, 0.6, 3))
+    assert torch.equal(coreset[:, :1], block_routing(scores[:, :5], 3, 16, 0.6, 3))
+    assert torch.equal(coreset[:, 1:], block_routing(scores[:, 5:], 3, 16, 0.6, 3))
 
 
 def test_tokens_choose_their_top_k_inside_their_blocks_coreset():
@@ -98,7 +99,7 @@ def test_tokens_choose_their_top_k_inside_their_blocks_coreset():
     assert torch.allclose(weights.sum(-1), torch.ones(2, 21))
     for b in range(2):
         for t in range(21):
-            allowed = coreset[b, t // 8].nonzero().flatten().tolist()
+            allowed = coreset[b, (t + 3) // 8].nonzero().flatten().tolist()  # 21 + 3: whole blocks
             best = sorted(allowed, key=lambda e: -float(scores[b, t, e]))[:3]
             assert sorted(experts[b, t].tolist()) == sorted(best)
             assert torch.allclose(weights[b, t], scores[b, t, experts[b, t]] / scores[b, t, best].sum())
@@ -223,6 +224,11 @@ def test_the_sampler_runs_on_a_moe_model(routing):
     s = moe_stats(model)
     assert s["forwards"] == stats["forwards"] and s["routing"] == routing
     assert 2 <= s["unique_experts_per_block"] <= 8 and 0 < s["expert_bytes_per_forward"] <= s["expert_bytes_all"]
+    if routing == "block":  # the routing blocks are the canvas's blocks: positions 3-10 and 11-18
+        last = moe_layers(model)[0].last
+        assert last["coreset"].shape[1] == 3  # the 3 prompt tokens, then the 2 canvas blocks
+        for j, lo in ((1, 3), (2, 11)):
+            assert torch.equal(last["coreset"][:, j], block_routing(last["scores"][:, lo:lo + 8], 2, 8, 0.6, 2)[:, 0])
     ids2, _ = generate_cached(model, [50256, 464, 3797], gen_length=16, steps=8, block_length=8)
     assert len(ids2) == 16 and MASK not in ids2
 

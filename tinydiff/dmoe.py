@@ -26,9 +26,12 @@ runs (tinydiff/kernels/__init__.py), one grouped-GEMM launch does the same
 (tinydiff/kernels/moe_ffn.py). Stats per forward: unique experts per block, experts touched
 (x bytes per expert = expert-weight bytes read), time in the layer.
 
+Routing blocks are counted back from the end of the sequence the model is given. The samplers'
+canvases (tinydiff/sampler.py) end on a block boundary, so every routing block is one decoding
+block, cached or not; what is left of the prompt forms the first, shorter block.
+
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
-balancing, a grouped-GEMM backward pass, blocks aligned to the sampler's blocks (routing blocks start at
-position 0 of whatever sequence the model is given).
+balancing, a grouped-GEMM backward pass.
 """
 import math
 import time
@@ -93,11 +96,12 @@ def moe_config(name: str, **overrides) -> MoEConfig:
 
 
 def pad_blocks(x, block_size: int):
-    """(B, T, ...) -> (B, n_blocks, block_size, ...), the last block padded with zeros (False)."""
+    """(B, T, ...) -> (B, n_blocks, block_size, ...), blocks counted back from the end: the first one
+    is padded in front with zeros (False) when T is not a multiple of block_size."""
     B, T = x.shape[:2]
     n_blocks = -(-T // block_size)
     pad = x.new_zeros(B, n_blocks * block_size - T, *x.shape[2:])
-    return torch.cat([x, pad], 1).view(B, n_blocks, block_size, *x.shape[2:])
+    return torch.cat([pad, x], 1).view(B, n_blocks, block_size, *x.shape[2:])
 
 
 def block_mass(scores, top_k: int, block_size: int):
@@ -131,7 +135,7 @@ def route(scores, top_k: int, coreset=None, block_size: int = 1):
     """Each token's experts and mixing weights, both (B, T, k): its top-k scores (within its block's
     coreset when one is given), renormalised to sum to 1."""
     if coreset is not None:
-        allowed = coreset.repeat_interleave(block_size, dim=1)[:, :scores.shape[1]]  # (B, T, E)
+        allowed = coreset.repeat_interleave(block_size, dim=1)[:, -scores.shape[1]:]  # (B, T, E)
         if int(coreset.sum(-1).min()) < top_k:
             raise UserError(f"every coreset needs >= top_k ({top_k}) experts; raise the guard")
         scores = scores.masked_fill(~allowed, float("-inf"))
