@@ -57,3 +57,28 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     assert only[0]["gen_ppl"] == by_name["diffusion-threshold"]["gen_ppl"]  # same seeds, same samples
     with pytest.raises(UserError, match="unknown sampler"):
         quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--samplers", "best"])
+
+
+def test_cli_routes_a_moe_checkpoint_as_asked(tmp_path, tiny_model, tiny_config):
+    from tinydiff.dmoe import MoEConfig, MoETransformer
+    save_checkpoint(tmp_path / "ar.pt", kind="ar", config=tiny_config, model=tiny_model)
+    torch.manual_seed(0)
+    config = MoEConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False, n_experts=8,
+                       moe_top_k=2, route_block=4, route_guard=2, route_threshold=0.5)
+    model = MoETransformer(config)
+    for layer in model.modules():  # weights large enough that a coreset changes the samples
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.normal_(layer.weight, std=1.0)
+    for routing in ("token", "block"):
+        save_checkpoint(tmp_path / f"{routing}.pt", kind="mdlm-moe",
+                        config=MoEConfig(**{**config.__dict__, "routing": routing}), model=model)
+    run = lambda ckpt, *flags: quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / ckpt),
+                                             "--samples", "3", "--gen-length", "8", "--block-length", "4",
+                                             "--samplers", "diffusion", "--temperature", "0", *flags])[0]["gen_ppl"]
+    token, block = run("token.pt"), run("block.pt")
+    assert token != block  # the saved routing is used ...
+    assert run("block.pt", "--routing", "token") == token and run("token.pt", "--routing", "block") == block
+    dense = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=dense, model=Transformer(dense))
+    with pytest.raises(UserError, match="--routing needs a mixture-of-experts"):
+        run("mdlm.pt", "--routing", "block")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
+from tinydiff.dmoe import ROUTINGS, set_routing
 from tinydiff.errors import UserError
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -68,7 +69,8 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Sample quality of every sampler: generative perplexity and distinct-2.")
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
-    p.add_argument("--mdlm", help="diffusion LM checkpoint (its samplers are skipped without it)")
+    p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
+    p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
@@ -92,9 +94,13 @@ def main(argv=None):
     if not (args.mdlm or args.ar):
         raise UserError("nothing to sample from; pass --mdlm and/or --ar checkpoints")
     judge, _ = load_model(args.judge, args.device, kinds=("ar",))
-    models = {}
+    models, routing = {}, ""
     if args.mdlm:
-        models["mdlm"], _ = load_model(args.mdlm, args.device, kinds=("mdlm",))
+        models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
+        if args.routing and ckpt["kind"] != "mdlm-moe":
+            raise UserError(f"--routing needs a mixture-of-experts (mdlm-moe) --mdlm; {args.mdlm} is dense")
+        if ckpt["kind"] == "mdlm-moe":
+            routing = f", {set_routing(models['mdlm'], args.routing or models['mdlm'].config.routing).routing} routing"
     if args.ar:
         models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
     tokenizer = Tokenizer()
@@ -111,7 +117,7 @@ def main(argv=None):
         rows.append({"sampler": name, "forwards_per_token": forwards / tokens,
                      "gen_ppl": generative_perplexity(judge, samples), "distinct_2": distinct_n(samples),
                      "example": tokenizer.decode(samples[0]).replace("\n", " ")})
-    print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, judge {args.judge}")
+    print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, judge {args.judge}{routing}")
     print(f"{'sampler':<22}{'fwd/token':>10}{'gen ppl':>10}{'distinct-2':>12}")
     for r in rows:
         print(f"{r['sampler']:<22}{r['forwards_per_token']:>10.3f}{r['gen_ppl']:>10.2f}{r['distinct_2']:>12.3f}")
