@@ -87,12 +87,12 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
         assert plots == [] and "Plots skipped" in generated
 
     logs = {role: (root / role / "train.log").read_text() for role in ROLES}
-    second = report(stories, "--methods", "ar,spec-k2")
+    second = report(stories, "--methods", "ar,spec-k2", "--prompts", "6")  # more openings than the fixed prompts
     assert {role: (root / role / "train.log").read_text() for role in ROLES} == logs  # nothing retrained
     text = Path("docs/RESULTS.md").read_text(encoding="utf-8")
     assert text.count(START) == text.count(END) == 1 and outside(text) == "# Results\n\n\n" + HAND
     generated = text.split(START)[1].split(END)[0]
-    assert [r["method"] for r in second["rows"]] == ["ar", "spec-k2"]
+    assert [r["method"] for r in second["rows"]] == ["ar", "spec-k2"] and len(second["prompts"]) == 6
     assert "| ar | " in generated and "| spec-k4 | " not in generated  # replaced, not appended
     assert "minutes, every model reused." in generated
     plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
@@ -124,6 +124,8 @@ def wrong_kind(path):
     (["--report", "docs", "--ckpt", "WRONG"], "holds a 'mdlm' model; the target must be a 'ar'"),
     (["--report", "docs", "--new-tokens", "500"], "--new-tokens must lie in"),
     (["--report", "bad-markers"], "leave one pair"),
+    (["--report", "docs", "--prompts", "0"], r"--prompts must lie in \[1, 4\] \(any count >= 1 with --report"),
+    (["--prompts", "5"], r"--prompts must lie in \[1, 4\]"),
 ])
 def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -13,6 +13,7 @@ EOT, so every method does the same work) after one untimed warm-up prompt. Colum
 For the diffusion rows the "target" is the diffusion LM: one forward = one denoising step.
 `diffusion` commits one token per step (LLaDA, blocks of 32), `diffusion-threshold` every token
 at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache.
+`dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
 `--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/report.py.
 """
@@ -160,7 +161,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
+                   "(with --report: how many held-out story openings)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the same text for every method")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -178,8 +180,9 @@ def main(argv=None):
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
-    if not 1 <= args.prompts <= len(PROMPTS):
-        raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}], got {args.prompts}")
+    if args.prompts < 1 or (args.prompts > len(PROMPTS) and not args.report):
+        raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --report, which draws "
+                        f"held-out story openings), got {args.prompts}")
     if args.report:  # imported here: tinydiff.report builds on this module
         from tinydiff.report import write_report
         return write_report(args, methods)

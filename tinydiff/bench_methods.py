@@ -90,11 +90,13 @@ def run_eagle(models, prompt, args, generator, k, budget=None):
 
 
 def run_dmoe(models, prompt, args, generator, routing):
-    """The MoE diffusion LM under token or block expert routing: what each forward reads."""
+    """The MoE diffusion LM under token or block expert routing: what each forward reads. Decoded
+    block by block with the finished prefix cached, so a forward computes one block (dMoE's "block
+    forward"), not the whole canvas with its finished and all-MASK blocks."""
     model = models["moe"]
     set_routing(model, routing)
     reset_stats(model, sync_timing=args.device.startswith("cuda"))
-    counts = run_diffusion({"mdlm": model}, prompt, args, generator)
+    counts = run_diffusion({"mdlm": model}, prompt, args, generator, sampler=generate_cached)
     stats = moe_stats(model)
     return {**counts, **{key: stats[key] for key in MEANS}}
 
