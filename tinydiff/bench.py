@@ -57,7 +57,8 @@ def device_name(device: str) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu} CPU, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{cpu} CPU, {threads} thread{'s' * (threads != 1)}"
 
 
 def measure(method, models, prompts, args) -> dict:
