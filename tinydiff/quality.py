@@ -99,8 +99,9 @@ def main(argv=None):
         models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
         if args.routing and ckpt["kind"] != "mdlm-moe":
             raise UserError(f"--routing needs a mixture-of-experts (mdlm-moe) --mdlm; {args.mdlm} is dense")
-        if ckpt["kind"] == "mdlm-moe":
-            routing = f", {set_routing(models['mdlm'], args.routing or models['mdlm'].config.routing).routing} routing"
+        if ckpt["kind"] == "mdlm-moe":  # its saved expert routing, unless --routing asks for the other
+            config = set_routing(models["mdlm"], args.routing or models["mdlm"].config.routing)
+            routing = f", {config.routing} expert routing"
     if args.ar:
         models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
     tokenizer = Tokenizer()
