@@ -33,7 +33,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
-from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, validation_stories
+from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
@@ -45,7 +45,7 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
-                "feature_layers", "drafter_layers", "openings")
+                "feature_layers", "drafter_layers", "openings", "experts", "top_k")
 
 
 def layer_ids(text: str) -> list[int]:
@@ -86,6 +86,8 @@ def parse_args(argv=None):
     dflash.add_argument("--feature-layers", type=layer_ids,
                         help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
     moe = p.add_argument_group("mdlm-moe")
+    moe.add_argument("--experts", type=int, help="routed experts per layer (default 32)")
+    moe.add_argument("--top-k", type=int, help="routed experts per token (default 3)")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
     moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default 4)")
@@ -99,7 +101,8 @@ def defaults(args, device: str) -> dict:
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "target": None, "block_size": 16, "regenerate": None,
-                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus"}
+                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
+                "experts": None, "top_k": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -172,12 +175,12 @@ def init_checkpoint(run: dict) -> dict:
 
 
 def check_init_shape(run: dict, config, wanted: dict):
-    """A drafter continued from --init keeps its shape: a flag asking for another one is an error."""
+    """A model continued from --init keeps its shape: a flag asking for another one is an error."""
     for key, value in wanted.items():
         if getattr(config, key) != value:
-            flag = {"n_layer": "drafter-layers"}.get(key, key.replace("_", "-"))
+            flag = {"n_layer": "drafter-layers", "n_experts": "experts", "moe_top_k": "top-k"}.get(key, key)
             raise UserError(f"--init {run['init']} has {key} {getattr(config, key)}, this run asks for {value}; "
-                            f"pass --{flag} to match, or start without --init")
+                            f"pass --{flag.replace('_', '-')} to match, or start without --init")
 
 
 def build_model(run: dict, device: str, ckpt=None, path=None):
@@ -208,18 +211,23 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         if from_init:
             check_init_shape(run, head.config, {"steps_ahead": run["steps_ahead"]})
         return head
+    moe_shape = {key: value for key, value in (("n_experts", run.get("experts")), ("moe_top_k", run.get("top_k")))
+                 if value is not None}
+    if moe_shape and run["model"] != "mdlm-moe":
+        raise UserError("--experts and --top-k apply to --model mdlm-moe only")
     if ckpt is not None:
         return model_from(ckpt, path, device)
     if run["init"]:
         init = init_checkpoint(run)
         adapt = init["kind"] == "ar" and run["model"] == "mdlm"
         model = model_from(init, run["init"], device)
+        check_init_shape(run, model.config, moe_shape)
         if adapt:  # AR-to-diffusion adaptation (Dream 7B): the AR weights, bidirectional attention, and
             # the AR head's alignment kept (output i predicts token i+1; see tinydiff/diffusion.py)
             model.config = replace(model.config, causal=False, shift=True)
     elif run["model"] == "mdlm-moe":
         overrides = {"context": run["context"]} if run["context"] else {}
-        model = MoETransformer(moe_config(run["preset"], **overrides)).to(device)
+        model = MoETransformer(moe_config(run["preset"], **overrides, **moe_shape)).to(device)
     else:
         overrides = {"context": run["context"]} if run["context"] else {}
         model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
@@ -236,12 +244,9 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     model.eval()
     prompt = [EOT] + tokenizer.encode("Once upon a time")
     n = min(48, model.config.context - len(prompt))
-    if kind == "dflash":  # the drafter's worth is its acceptance: greedy tau on this prompt
-        ids, stats = dflash_generate(model.target, model, prompt, n, stop_token=None)
-        model.train()
-        return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
-    if kind == "eagle3":  # likewise: greedy tau of 4-token chains
-        ids, stats = eagle_generate(model.target, model, prompt, n, k=4, stop_token=None)
+    if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
+        decode, chain = (dflash_generate, {}) if kind == "dflash" else (eagle_generate, {"k": 4})
+        ids, stats = decode(model.target, model, prompt, n, stop_token=None, **chain)
         model.train()
         return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
@@ -315,8 +320,10 @@ def main(argv=None):
         target = model.target if run["model"] in DRAFTERS else load_target(run, device)
         out.mkdir(parents=True, exist_ok=True)
         train_file, val_file = (out / name for name in REGENERATED)
-        train_tokens = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
-                                          run.get("openings") == "target")  # .get: older checkpoints lack it
+        text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
+                                  run.get("openings") == "target")  # .get: older checkpoints lack it
+        train_tokens = trim_loops(text)
+        print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
     window = config.context + extra
     val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)

@@ -24,16 +24,30 @@ def test_story_ends_at_the_first_eot():
 
 
 @torch.no_grad()
-def test_generative_perplexity_is_exp_mean_nll(tiny_model):
-    samples = [[5, 6, 7], [8, 9]]
-    nll = 0.0
-    for s in samples:
+def test_sample_nlls_are_the_judges_summed_nll_per_sample(tiny_model):
+    samples = [[5, 6, 7], [], [8, 9]]
+    want = []
+    for s in (samples[0], samples[2]):
         seq = torch.tensor([[EOT] + s])
         logp = F.log_softmax(tiny_model(seq, causal=True)[0, :-1], -1)
-        nll -= logp.gather(-1, seq[0, 1:, None]).sum().item()
-    assert quality.generative_perplexity(tiny_model, samples) == pytest.approx(math.exp(nll / 5), rel=1e-5)
+        want.append(-logp.gather(-1, seq[0, 1:, None]).sum().item())
+    nlls, counts = quality.sample_nlls(tiny_model, samples)  # the empty sample is skipped
+    assert nlls == pytest.approx(want, rel=1e-5) and counts == [3, 2]
     with pytest.raises(UserError, match="no sample"):
-        quality.generative_perplexity(tiny_model, [[], []])
+        quality.sample_nlls(tiny_model, [[], []])
+
+
+def test_perplexity_interval_brackets_the_estimate_and_narrows_with_more_samples():
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(20, 65, (64,), generator=gen).tolist()
+    nlls = [n * (3 + torch.randn(1, generator=gen).item()) for n in counts]  # per-sample mean NLL ~ N(3, 1)
+    ppl = math.exp(sum(nlls) / sum(counts))
+    lo, hi = quality.perplexity_interval(nlls, counts)
+    assert lo < ppl < hi
+    lo16, hi16 = quality.perplexity_interval(nlls * 16, counts * 16)  # 16x the samples: ~1/4 the width
+    assert 0.15 < (math.log(hi16) - math.log(lo16)) / (math.log(hi) - math.log(lo)) < 0.35
+    flat = quality.perplexity_interval([2.0 * n for n in counts], counts)  # every sample 2 nats/token
+    assert flat == pytest.approx((math.exp(2.0), math.exp(2.0)))
 
 
 def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
@@ -49,6 +63,7 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     assert by_name["diffusion-revise"]["forwards_per_token"] == (8 + 2 * 1) / 8
     assert by_name["diffusion-threshold"]["forwards_per_token"] <= 1.0
     assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
+    assert all(r["gen_ppl_95"][0] <= r["gen_ppl"] <= r["gen_ppl_95"][1] for r in rows)
     with pytest.raises(UserError, match="nothing to sample"):
         quality.main(["--judge", str(tmp_path / "ar.pt")])
     only = quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--samples", "2",

@@ -5,7 +5,7 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
-from tinydiff.regenerate import regenerate, story_openings
+from tinydiff.regenerate import first_repeat, regenerate, story_openings, trim_loops
 from tinydiff.tokenizer import EOT
 
 
@@ -68,3 +68,27 @@ def test_sampled_openings_are_sampled_then_continued_greedily(tiny_model):
         assert story == story[:4] + [t for t in ids if t != EOT]
     again = regenerate(target, corpus(), 9, seed=5, opening=4, batch_size=4, sampled_openings=True)
     assert np.array_equal(text, again)
+
+
+def test_first_repeat_ends_the_first_ngram_seen_before():
+    assert first_repeat([1, 2, 3, 1, 2, 3, 1], 3) == 6  # (1, 2, 3) again at positions 3..5
+    assert first_repeat([1, 2, 1, 2], 3) == 4 and first_repeat([1, 2, 3, 4], 2) == 4  # (1, 2) never ends a repeat of 3
+    assert first_repeat([7, 7, 7], 2) == 3 and first_repeat([5], 8) == 1
+
+
+def test_trim_loops_cuts_each_story_keep_tokens_past_its_first_repeat():
+    loop = [10, 11, 12, 13] * 10  # first repeated 4-gram ends at 8
+    plain = list(range(100, 130))  # no repeats: kept whole
+    text = np.array([EOT, *loop, EOT, *plain, EOT, *loop[:9], EOT], dtype=np.uint16)
+    trimmed = trim_loops(text, ngram=4, keep=3)
+    assert trimmed.dtype == np.uint16
+    assert split_stories(trimmed) == [loop[:8 + 3], plain, loop[:9]]  # the last runs out before keep does
+
+
+def test_trim_loops_keeps_stories_prefixes_of_the_targets_own(tiny_model):
+    text = regenerate(tiny_model.eval(), corpus(), 6, seed=1, opening=4)
+    stories, trimmed = split_stories(text), split_stories(trim_loops(text, ngram=2, keep=1))
+    assert len(trimmed) == len(stories) == 6
+    for full, cut in zip(stories, trimmed):
+        assert full[:len(cut)] == cut and len(cut) == min(len(full), first_repeat(full, 2) + 1)
+    assert sum(map(len, trimmed)) < sum(map(len, stories))  # an untrained greedy model loops at once

@@ -138,6 +138,21 @@ def test_moe_token_training_then_block_fine_tune(story_file, tmp_path):
         train.main(argv(story_file, tmp_path / "y", "--routing", "block"))
 
 
+def test_moe_expert_count_and_top_k_are_flags(story_file, tmp_path):
+    train.main(argv(story_file, tmp_path / "fine", "--experts", "8", "--top-k", "2", kind="mdlm-moe"))
+    ckpt = load_checkpoint(tmp_path / "fine" / "ckpt.pt")
+    assert ckpt["config"]["n_experts"] == 8 and ckpt["config"]["moe_top_k"] == 2
+    assert ckpt["model"]["blocks.0.ffn.router.weight"].shape[0] == 8
+    init = ["--model", "mdlm-moe", "--init", str(tmp_path / "fine" / "ckpt.pt"), "--data", str(story_file),
+            "--max-steps", "1", "--device", "cpu"]
+    with pytest.raises(UserError, match="has n_experts 8, this run asks for 16; pass --experts"):
+        train.main([*init, "--out", str(tmp_path / "a"), "--experts", "16"])
+    with pytest.raises(UserError, match="--experts and --top-k apply to --model mdlm-moe only"):
+        train.main(argv(story_file, tmp_path / "b", "--top-k", "2"))
+    with pytest.raises(UserError, match="need 1 <= top_k <= n_experts"):
+        train.main(argv(story_file, tmp_path / "c", "--experts", "2", "--top-k", "3", kind="mdlm-moe"))
+
+
 def test_an_ar_checkpoint_starts_a_shifted_diffusion_run(story_file, tmp_path):
     train.main(argv(story_file, tmp_path / "ar", "--max-steps", "2", kind="ar"))
     ar = load_checkpoint(tmp_path / "ar" / "ckpt.pt")

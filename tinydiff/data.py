@@ -71,7 +71,7 @@ def _check_windows(tokens, n: int, length: int, name: str):
         raise UserError(f"{name} and length must be >= 1, got {name}={n}, length={length}")
     if len(tokens) < length:
         raise UserError(f"the split has {len(tokens)} tokens but windows need {length}; "
-                        "use a bigger data file or a smaller context")
+                        "use more text (a bigger data file, more --regenerate stories) or a smaller context")
 
 
 def _gather(tokens, starts: list[int], length: int) -> torch.Tensor:

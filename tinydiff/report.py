@@ -58,7 +58,7 @@ ROLES = {"target": ("ckpt", "ar"), "draft": ("draft", "ar"), "drafter": ("drafte
 # name -> model preset (and context), stories the target writes for its drafters, (steps, batch) per role
 REPORT_PRESETS = {
     # a pipeline check in about a minute on a CPU; the numbers mean nothing
-    "smoke": {"preset": "draft", "context": 128, "regenerate": 2, "runs": {role: (2, 2) for role in ROLES}},
+    "smoke": {"preset": "draft", "context": 128, "regenerate": 8, "runs": {role: (2, 2) for role in ROLES}},
     # sized for under 30 minutes of training and measuring on a 2-core CPU
     "tiny": {"preset": "tiny", "regenerate": 100, "runs": {"target": (300, 8), "draft": (200, 8),
              "drafter": (100, 4), "eagle": (50, 4), "mdlm": (150, 8), "moe": (100, 8)}},
