@@ -8,7 +8,7 @@ with seeds 0..N-1. A story ends at its first EOT (kept, so stopping is judged to
               like the judge's idea of TinyStories. Repeating one phrase also scores low, so
   distinct_2  unique bigrams / all bigrams over the samples sits beside it (1.0 = no repeats).
 The perplexity comes with a 95% bootstrap interval over the samples: at 64 samples of a small
-model it is about +-10%, so telling two models 5% apart takes several hundred samples.
+model it spans about -7..+9%, so telling two models 5% apart takes several hundred samples.
 Leaves out: MAUVE, human judgement, an external judge model (ours is the project's AR model).
 """
 import argparse
