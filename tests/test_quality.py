@@ -97,3 +97,11 @@ def test_cli_routes_a_moe_checkpoint_as_asked(tmp_path, tiny_model, tiny_config)
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=dense, model=Transformer(dense))
     with pytest.raises(UserError, match="--routing needs a mixture-of-experts"):
         run("mdlm.pt", "--routing", "block")
+    wide = run("block.pt", "--route-guard", "8")  # every coreset all 8 experts: token routing again
+    assert wide == token and run("block.pt", "--route-threshold", "1.0") == token  # the union of the top-k sets
+    with pytest.raises(UserError, match="--route-guard tunes block routing; add --routing block"):
+        run("token.pt", "--route-guard", "3")
+    with pytest.raises(UserError, match="--route-threshold needs a mixture-of-experts"):
+        run("mdlm.pt", "--route-threshold", "0.5")
+    with pytest.raises(UserError, match="the guard must lie in"):
+        run("block.pt", "--route-guard", "9")

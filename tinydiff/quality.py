@@ -84,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
     p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
+    p.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default: its own)")
+    p.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default: its own)")
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
@@ -110,11 +112,19 @@ def main(argv=None):
     models, routing = {}, ""
     if args.mdlm:
         models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
-        if args.routing and ckpt["kind"] != "mdlm-moe":
-            raise UserError(f"--routing needs a mixture-of-experts (mdlm-moe) --mdlm; {args.mdlm} is dense")
-        if ckpt["kind"] == "mdlm-moe":  # its saved expert routing, unless --routing asks for the other
-            config = set_routing(models["mdlm"], args.routing or models["mdlm"].config.routing)
+        asked = [flag for flag, value in (("--routing", args.routing), ("--route-guard", args.route_guard),
+                                          ("--route-threshold", args.route_threshold)) if value is not None]
+        if asked and ckpt["kind"] != "mdlm-moe":
+            raise UserError(f"{asked[0]} needs a mixture-of-experts (mdlm-moe) --mdlm; {args.mdlm} is dense")
+        if ckpt["kind"] == "mdlm-moe":  # its saved expert routing, unless the flags ask for another
+            mode = args.routing or models["mdlm"].config.routing
+            tuning = [flag for flag in asked if flag != "--routing"]
+            if mode == "token" and tuning:
+                raise UserError(f"{tuning[0]} tunes block routing; add --routing block")
+            config = set_routing(models["mdlm"], mode, threshold=args.route_threshold, guard=args.route_guard)
             routing = f", {config.routing} expert routing"
+            if config.routing == "block":
+                routing += f" (threshold {config.route_threshold}, guard {config.route_guard})"
     if args.ar:
         models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
     tokenizer = Tokenizer()
