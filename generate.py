@@ -35,7 +35,7 @@ from tinydiff.checkpoint import load_checkpoint, load_model
 from tinydiff.dflash import drafter_from
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
-from tinydiff.dmoe import moe_stats, reset_stats, set_routing
+from tinydiff.dmoe import moe_stats, reset_stats, routing_from_flags
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
@@ -185,8 +185,8 @@ def main(argv=None):
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
                         f"{args.ckpt} holds a {ckpt['kind']} model")
-    if (args.routing or args.route_threshold or args.route_guard) and ckpt["kind"] != "mdlm-moe":
-        raise UserError(f"--routing and --route-* need an mdlm-moe checkpoint; {args.ckpt} holds a {ckpt['kind']} model")
+    moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold,
+                             args.route_guard) is not None  # the saved expert routing unless a flag says otherwise
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
@@ -203,9 +203,7 @@ def main(argv=None):
         args.temperature = 0.0 if args.temperature is None else args.temperature
         animate = sys.stdout.isatty() and not (args.no_animate or args.json)
         view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
-        moe = ckpt["kind"] == "mdlm-moe"
         if moe:
-            set_routing(model, args.routing or model.config.routing, args.route_threshold, args.route_guard)
             reset_stats(model)
         ids, stats = run_diffusion(model, prompt, args, generator, view)
         if moe:

@@ -11,7 +11,6 @@ drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG st
 """
 import argparse
 import math
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -22,10 +21,10 @@ import torch
 from tqdm import tqdm
 
 from tinydiff.ar import ar_generate, ar_loss
-from tinydiff.diffusion import mdlm_loss
+from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.dmoe import MoETransformer, mdlm_moe_loss, moe_config, set_routing
-from tinydiff.sampler import generate
-from tinydiff.checkpoint import load_checkpoint, load_model, model_from, save_checkpoint
+from tinydiff.sampler import generate, generate_cached
+from tinydiff.checkpoint import StopOnSignal, load_checkpoint, load_model, model_from, save_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.eagle import EagleConfig, EagleHead, eagle_loss, head_from
@@ -37,7 +36,7 @@ from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_l
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
-OBJECTIVES = {"mdlm": (mdlm_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
+OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
               "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 
@@ -45,7 +44,7 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
-                "feature_layers", "drafter_layers", "openings", "experts", "top_k")
+                "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block")
 
 
 def layer_ids(text: str) -> list[int]:
@@ -85,6 +84,8 @@ def parse_args(argv=None):
     dflash.add_argument("--drafter-layers", type=int, help="dflash: the drafter's own Transformer layers (default 1)")
     dflash.add_argument("--feature-layers", type=layer_ids,
                         help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
+    p.add_argument("--noise-block", type=int, help="mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
+                   "prefix (block diffusion, what the cached block sampler meets; default: one per window)")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--experts", type=int, help="routed experts per layer (default 32)")
     moe.add_argument("--top-k", type=int, help="routed experts per token (default 3)")
@@ -102,7 +103,7 @@ def defaults(args, device: str) -> dict:
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "target": None, "block_size": 16, "regenerate": None,
                 "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
-                "experts": None, "top_k": None}
+                "experts": None, "top_k": None, "noise_block": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -189,6 +190,8 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
     if (run.get("feature_layers") or run.get("drafter_layers") is not None) and run["model"] != "dflash":
         raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
                         "fusing 3 fixed target layers)")
+    if run.get("noise_block") is not None and not run["model"].startswith("mdlm"):
+        raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
     from_init = run["model"] in ("dflash", "eagle3") and run["init"] and ckpt is None
     if from_init:  # a new run that continues a drafter's weights
         ckpt, path = init_checkpoint(run), run["init"]
@@ -235,6 +238,12 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"])
     elif run["routing"] != "token":
         raise UserError("--routing applies to --model mdlm-moe only")
+    if run.get("noise_block") is not None:  # None keeps --init's objective
+        block, context = run["noise_block"], model.config.context
+        if block < 0 or (block and context % block):
+            raise UserError(f"--noise-block takes 0 (one noise level per window) or a block that divides the "
+                            f"context of {context}; got {block}")
+        model.config = replace(model.config, noise_block=block)
     return model
 
 
@@ -250,33 +259,16 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
         model.train()
         return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
-    if kind.startswith("mdlm"):
+    if kind.startswith("mdlm") and model.config.noise_block:  # sampled as it was trained: block by block
+        block = model.config.noise_block
+        n = max(block, n - n % block)
+        ids, _ = generate_cached(model, prompt, gen_length=n, steps=n, block_length=block, generator=generator)
+    elif kind.startswith("mdlm"):
         ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
     else:
         ids, _ = ar_generate(model, prompt, n, temperature=0.8, top_k=50, generator=generator)
     model.train()
     return "Once upon a time" + tokenizer.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
-
-
-class StopOnSignal:
-    """While active, the first Ctrl-C / SIGTERM asks the loop to save and stop after this step;
-    a second one interrupts at once. The previous handlers come back on exit."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def main(argv=None):

@@ -140,6 +140,22 @@ def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
     assert message in res.stderr.strip().splitlines()[-1]
 
 
+def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
+    from tinydiff.dmoe import MoETransformer, moe_config
+    torch.manual_seed(4)
+    moe = MoETransformer(moe_config("draft", context=32, n_experts=8, moe_top_k=2, route_block=4))
+    save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=moe.config, model=moe)
+    common = ["--prompt", "Once upon a time", "--gen-length", 8, "--block-length", 4, "--json"]
+    saved = json.loads(run("--ckpt", tmp_path / "moe.pt", *common).stdout)["stats"]
+    block = json.loads(run("--ckpt", tmp_path / "moe.pt", *common, "--routing", "block", "--route-guard", 2).stdout)
+    assert saved["routing"] == "token" and block["stats"]["routing"] == "block"
+    assert block["stats"]["unique_experts_per_block"] <= saved["unique_experts_per_block"]
+    for path, flags, message in ((tmp_path / "moe.pt", ["--route-guard", 3], "--route-guard tunes block routing; add"),
+                                 (ckpt, ["--routing", "block"], "--routing needs a mixture-of-experts (mdlm-moe)")):
+        res = run("--ckpt", path, *common, *flags)
+        assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
+
+
 def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     from tinydiff.dmoe import MoETransformer, moe_config
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8))

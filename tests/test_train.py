@@ -153,6 +153,24 @@ def test_moe_expert_count_and_top_k_are_flags(story_file, tmp_path):
         train.main(argv(story_file, tmp_path / "c", "--experts", "2", "--top-k", "3", kind="mdlm-moe"))
 
 
+def test_noise_block_trains_block_diffusion_and_init_keeps_it(story_file, tmp_path, monkeypatch):
+    import tinydiff.dmoe
+    calls = []
+    real = tinydiff.dmoe.diffusion_loss
+    monkeypatch.setattr(tinydiff.dmoe, "diffusion_loss", lambda m, *a: calls.append(m.config.noise_block) or real(m, *a))
+    train.main(argv(story_file, tmp_path / "bd", "--noise-block", "8", "--max-steps", "2", kind="mdlm-moe"))
+    assert load_checkpoint(tmp_path / "bd" / "ckpt.pt")["config"]["noise_block"] == 8 and set(calls) == {8}
+    init = ["--init", str(tmp_path / "bd" / "ckpt.pt"), "--max-steps", "1"]
+    train.main(argv(story_file, tmp_path / "kept", *init, kind="mdlm-moe"))
+    assert load_checkpoint(tmp_path / "kept" / "ckpt.pt")["config"]["noise_block"] == 8  # from --init
+    train.main(argv(story_file, tmp_path / "mdlm", *init, "--noise-block", "0", kind="mdlm-moe"))
+    assert load_checkpoint(tmp_path / "mdlm" / "ckpt.pt")["config"]["noise_block"] == 0 and calls[-1] == 0
+    with pytest.raises(UserError, match="--noise-block takes 0 .* a block that divides the context of 16; got 5"):
+        train.main(argv(story_file, tmp_path / "x", "--noise-block", "5"))
+    with pytest.raises(UserError, match="--noise-block applies to --model mdlm and mdlm-moe only"):
+        train.main(argv(story_file, tmp_path / "y", "--noise-block", "8", kind="ar"))
+
+
 def test_an_ar_checkpoint_starts_a_shifted_diffusion_run(story_file, tmp_path):
     train.main(argv(story_file, tmp_path / "ar", "--max-steps", "2", kind="ar"))
     ar = load_checkpoint(tmp_path / "ar" / "ckpt.pt")

@@ -31,7 +31,7 @@ from tinydiff.bench_methods import MEANS, METHODS, USES
 from tinydiff.checkpoint import load_checkpoint, load_model
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
-from tinydiff.diffusion import elbo
+from tinydiff.block_diffusion import diffusion_elbo
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
@@ -131,7 +131,8 @@ def load_models(args) -> dict:
 def heldout_nll(models, args, tokenizer, wanted) -> dict:
     """(nats/token, bits/byte) on 16 windows of --data's validation split, for each `wanted` model
     ("target", "mdlm", "moe-token", "moe-block"): exact for the AR model, the ELBO bound (4 noise
-    draws) for the diffusion LMs, the MoE one under each routing."""
+    draws; block diffusion's for a model trained with --noise-block) for the diffusion LMs, the MoE
+    one under each routing."""
     _, val_path = prepare_tokens(args.data)
     out = {}
     scored_models = [(name, models["moe"] if name.startswith("moe-") else models[name]) for name in wanted]
@@ -144,7 +145,7 @@ def heldout_nll(models, args, tokenizer, wanted) -> dict:
             nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
             scored = windows[:, 1:]
         else:
-            nll = elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
+            nll = diffusion_elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
             scored = windows[:, 1:] if model.config.shift else windows  # diffusion.scored_tokens
         n_bytes = sum(len(tokenizer.decode(row).encode()) for row in scored.tolist())
         out[name] = (nll, nll * scored.numel() / (n_bytes * math.log(2)))

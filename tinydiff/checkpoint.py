@@ -12,9 +12,11 @@ can read it without unpickling code:
   data              where the data stream is: {"seed", "index"} of the next batch
   args              the training settings, so --resume continues the same run
 Saving writes a temp file in the same folder, flushes it to disk, then renames it over the target:
-a crash mid-save leaves the previous checkpoint intact.
+a crash mid-save leaves the previous checkpoint intact. `StopOnSignal` lets a training loop finish its
+step and save on Ctrl-C / SIGTERM instead of dying mid-step.
 """
 import os
+import signal
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -97,3 +99,24 @@ def load_model(path, device="cpu", kinds=None):
     if kinds is not None and ckpt.get("kind") not in kinds:
         raise UserError(f"{path} holds a {ckpt.get('kind')!r} model; this needs one of: {', '.join(kinds)}")
     return model_from(ckpt, path, device).eval(), ckpt
+
+
+class StopOnSignal:
+    """While active, the first Ctrl-C / SIGTERM asks the loop to save and stop after this step;
+    a second one interrupts at once. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -20,7 +20,7 @@ bound covers positions 1..T-1 (the first token is context, as in an AR model's w
 
 Leaves out: timestep conditioning, other noise schedules (this is the linear one, alpha_t = 1 - t),
 the low-variance "exact count" estimator for training (used here only to test the bound).
-Samplers live in tinydiff/sampler.py.
+Samplers live in tinydiff/sampler.py; a noise level per block (block diffusion) in tinydiff/block_diffusion.py.
 """
 import math
 
@@ -108,21 +108,30 @@ def elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = None) -> d
     scored tokens encode (scored_tokens: a shifted model's rows minus their first), bits_per_byte
     (an upper bound too).
     """
-    if mc < 2:
-        raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
-    if x.dim() != 2 or x.numel() == 0:
-        raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
-    if (x == MASK).any():
-        raise UserError("elbo scores clean text; the input holds MASK tokens")
+    check_elbo_input(x, mc)
     draws = []
     for _ in range(mc):
         t = sample_t(len(x), generator, x.device)
         noisy, masked = noise(model, x, t, generator)
         ce = masked_token_ce(model, x, noisy, masked)
         draws.append(float((ce / t[:, None]).sum() / scored_tokens(model, x)))
+    return bound_summary(draws, scored_tokens(model, x), n_bytes)
+
+
+def check_elbo_input(x, mc: int):
+    if mc < 2:
+        raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
+    if x.dim() != 2 or x.numel() == 0:
+        raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
+    if (x == MASK).any():
+        raise UserError("elbo scores clean text; the input holds MASK tokens")
+
+
+def bound_summary(draws: list[float], scored: int, n_bytes: int | None) -> dict:
+    """elbo's fields from its per-draw bounds (nats/token over `scored` tokens)."""
     draws = torch.tensor(draws, dtype=torch.float64)
-    bound, stderr = draws.mean().item(), (draws.std() / math.sqrt(mc)).item()
+    bound, stderr = draws.mean().item(), (draws.std() / math.sqrt(len(draws))).item()
     out = {"bound": bound, "stderr": stderr, "ppl_bound": math.exp(bound)}
     if n_bytes is not None:
-        out["bits_per_byte"] = bound * scored_tokens(model, x) / (n_bytes * math.log(2))
+        out["bits_per_byte"] = bound * scored / (n_bytes * math.log(2))
     return out

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from tinydiff import kernels
-from tinydiff.diffusion import mdlm_loss
+from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
 
@@ -262,6 +262,22 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
     return config
 
 
+def routing_from_flags(model, kind: str, path, routing=None, threshold=None, guard=None):
+    """A CLI's --routing / --route-threshold / --route-guard applied to a loaded checkpoint: its saved
+    routing where a flag is not given. Returns the MoEConfig in use, or None for a dense model."""
+    asked = [flag for flag, value in (("--routing", routing), ("--route-guard", guard),
+                                      ("--route-threshold", threshold)) if value is not None]
+    if kind != "mdlm-moe":
+        if asked:
+            raise UserError(f"{asked[0]} needs a mixture-of-experts (mdlm-moe) checkpoint; {path} holds a {kind} model")
+        return None
+    mode = routing or model.config.routing
+    tuning = [flag for flag in asked if flag != "--routing"]
+    if mode == "token" and tuning:
+        raise UserError(f"{tuning[0]} tunes block routing; add --routing block")
+    return set_routing(model, mode, threshold, guard)
+
+
 def balance_loss(model):
     """The layers' Switch terms of the latest forward, summed (L when perfectly balanced)."""
     return sum(layer.balance_loss for layer in moe_layers(model))
@@ -312,12 +328,12 @@ def param_counts(model) -> dict:
 
 
 def mdlm_moe_loss(model, x, generator=None):
-    """mdlm_loss + balance_coef * balance_loss(model); returns (loss, stats).
+    """diffusion_loss (MDLM's, or block diffusion's) + balance_coef * balance_loss(model); (loss, stats).
 
     stats: elbo and masked_ce as in mdlm_loss (the bound excludes the balance term), and balance:
     the Switch term per layer (mean over layers; 1 = perfectly balanced, E = collapsed).
     """
-    loss, stats = mdlm_loss(model, x, generator)
+    loss, stats = diffusion_loss(model, x, generator)
     balance = balance_loss(model)
     stats["balance"] = balance.detach() / len(moe_layers(model))
     return loss + model.config.balance_coef * balance, stats

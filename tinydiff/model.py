@@ -36,6 +36,7 @@ class ModelConfig:
     d_ff: int = 512               # SwiGLU hidden width
     causal: bool = True           # default attention when no mask is given
     shift: bool = False           # diffusion only: output i predicts token i+1 (Dream's shift, kept from an AR start)
+    noise_block: int = 0          # diffusion only: trained with a noise level per N-token block (block_diffusion.py)
     rope_base: float = 10000.0    # RoPE frequency base
     norm_eps: float = 1e-5        # RMSNorm epsilon
 
@@ -209,7 +210,8 @@ class Transformer(nn.Module):
     def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None):
         """Logits (B, T, V) for token ids idx (B, T).
 
-        pos: position ids (T,) or (B, T); default cache.length + arange(T).
+        pos: position ids (T,) or (B, T); default cache.length + arange(T). Given, without a cache,
+            T may pass the context (block diffusion reads a window twice at the same positions).
         mask: bool (T, S) or (B, T, S), True = may attend, S = cached rows + T. Overrides `causal`.
         causal: without a mask, causal (True) or bidirectional (False); default config.causal.
         cache: a KVCache; the new keys/values are appended and its length advanced by T.
@@ -217,7 +219,7 @@ class Transformer(nn.Module):
         """
         B, T = idx.shape
         past = cache.length if cache is not None else 0
-        if past + T > self.config.context:
+        if (cache is not None or pos is None) and past + T > self.config.context:  # explicit pos: any length
             raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {self.config.context}")
         if pos is None:
             pos = torch.arange(past, past + T, device=idx.device)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
-from tinydiff.dmoe import ROUTINGS, set_routing
+from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -112,16 +112,9 @@ def main(argv=None):
     models, routing = {}, ""
     if args.mdlm:
         models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
-        asked = [flag for flag, value in (("--routing", args.routing), ("--route-guard", args.route_guard),
-                                          ("--route-threshold", args.route_threshold)) if value is not None]
-        if asked and ckpt["kind"] != "mdlm-moe":
-            raise UserError(f"{asked[0]} needs a mixture-of-experts (mdlm-moe) --mdlm; {args.mdlm} is dense")
-        if ckpt["kind"] == "mdlm-moe":  # its saved expert routing, unless the flags ask for another
-            mode = args.routing or models["mdlm"].config.routing
-            tuning = [flag for flag in asked if flag != "--routing"]
-            if mode == "token" and tuning:
-                raise UserError(f"{tuning[0]} tunes block routing; add --routing block")
-            config = set_routing(models["mdlm"], mode, threshold=args.route_threshold, guard=args.route_guard)
+        config = routing_from_flags(models["mdlm"], ckpt["kind"], args.mdlm, args.routing, args.route_threshold,
+                                    args.route_guard)
+        if config is not None:
             routing = f", {config.routing} expert routing"
             if config.routing == "block":
                 routing += f" (threshold {config.route_threshold}, guard {config.route_guard})"
