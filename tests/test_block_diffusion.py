@@ -107,7 +107,7 @@ class ExactBlockDenoiser(nn.Module):
         self.seqs = torch.tensor(list(itertools.product(range(3), repeat=4)))  # (81, 4)
         self.joint, self.block = joint, block
 
-    def forward(self, idx, pos=None, mask=None):
+    def forward(self, idx, pos=None, mask=None, head_from=0):
         B, T = idx.shape[0], idx.shape[1] // 2
         clean, noisy = idx[:, :T], idx[:, T:]
         logits = torch.zeros(B, 2 * T, 3, dtype=torch.float64)
@@ -119,7 +119,7 @@ class ExactBlockDenoiser(nn.Module):
             fits = ((self.seqs[None] == seen[:, None]) | (seen[:, None] == MASK)).all(-1)  # (B, 81)
             marginal = (fits * self.joint) @ F.one_hot(self.seqs[:, i], 3).double()  # (B, 3)
             logits[:, T + i] = (marginal / marginal.sum(-1, keepdim=True)).log()
-        return logits
+        return logits[:, head_from:]
 
 
 def test_bound_is_the_exact_nll_for_the_true_conditionals():

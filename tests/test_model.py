@@ -144,6 +144,11 @@ def test_hidden_layers_are_the_residual_stream(tiny_model):
     torch.testing.assert_close(h2, tiny_model.blocks[1](h1, *rope(tiny_model, 6), None, True, None, 1))
 
 
+def test_head_from_gives_the_same_logits_for_the_later_positions(tiny_model):
+    x = tokens(2, 10)
+    torch.testing.assert_close(tiny_model(x, head_from=4), tiny_model(x)[:, 4:])
+
+
 def rope(model, T):
     return model.rope_cos[:T].view(1, 1, T, -1), model.rope_sin[:T].view(1, 1, T, -1)
 
@@ -151,6 +156,7 @@ def rope(model, T):
 def test_context_overflow_and_bad_mask_fail_clearly(tiny_model):
     with pytest.raises(UserError, match="exceeds the model's context"):
         tiny_model(tokens(1, 33))
+    tiny_model(tokens(1, 64), pos=torch.arange(32).repeat(2))  # given positions: a window may be read twice
     with pytest.raises(UserError, match="position ids must lie in"):
         tiny_model(tokens(1, 2), pos=torch.tensor([0, 32]))
     with pytest.raises(ValueError, match="mask must end in shape"):

@@ -157,7 +157,8 @@ def test_noise_block_trains_block_diffusion_and_init_keeps_it(story_file, tmp_pa
     import tinydiff.dmoe
     calls = []
     real = tinydiff.dmoe.diffusion_loss
-    monkeypatch.setattr(tinydiff.dmoe, "diffusion_loss", lambda m, *a: calls.append(m.config.noise_block) or real(m, *a))
+    monkeypatch.setattr(tinydiff.dmoe, "diffusion_loss",
+                        lambda m, *a: calls.append(m.config.noise_block) or real(m, *a))  # records the block used
     train.main(argv(story_file, tmp_path / "bd", "--noise-block", "8", "--max-steps", "2", kind="mdlm-moe"))
     assert load_checkpoint(tmp_path / "bd" / "ckpt.pt")["config"]["noise_block"] == 8 and set(calls) == {8}
     init = ["--init", str(tmp_path / "bd" / "ckpt.pt"), "--max-steps", "1"]

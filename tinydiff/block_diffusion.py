@@ -12,7 +12,8 @@ an upper bound on the NLL per token, and the sampler's states are the ones train
 One forward covers every block (BD3-LM's vectorised form): the model reads [clean x; noisy x]
 (2T positions, the second copy at the same position ids). A clean block sees the clean blocks up
 to itself (the keys the sampler's prefix cache holds); a noisy block sees the clean blocks before
-it and itself, never another noisy block. Only the noisy half is scored.
+it and itself, never another noisy block. Only the noisy half is scored, and only it goes through
+the LM head (`head_from`), the largest cost of a small model.
 A model trained this way records its block in `config.noise_block` (0: MDLM's one t per window);
 `diffusion_loss` and `diffusion_elbo` pick the bound that matches it.
 For a MoE model the routing blocks (counted back from the end, tinydiff/dmoe.py) fall on the
@@ -64,7 +65,7 @@ def block_masked_ce(model, x, noisy, masked, block: int):
     B, T = x.shape
     pos = torch.arange(T, device=x.device).repeat(2)  # (2T,) the noisy copy reuses the positions
     mask = clean_and_noisy_mask(T, block, x.device)
-    logits = model(torch.cat([x, noisy], 1), pos=pos, mask=mask)[:, T:]  # (B, T, V): the noisy half
+    logits = model(torch.cat([x, noisy], 1), pos=pos, mask=mask, head_from=T)  # (B, T, V): the noisy half
     logits = subs_logits(logits.float(), inplace=True)
     return F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(B, T) * masked
 

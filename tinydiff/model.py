@@ -207,7 +207,7 @@ class Transformer(nn.Module):
     def new_cache(self, batch_size: int = 1, device=None, dtype=torch.float32) -> KVCache:
         return KVCache(self.config, batch_size, device or self.embed.weight.device, dtype)
 
-    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None):
+    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
         """Logits (B, T, V) for token ids idx (B, T).
 
         pos: position ids (T,) or (B, T); default cache.length + arange(T). Given, without a cache,
@@ -216,6 +216,8 @@ class Transformer(nn.Module):
         causal: without a mask, causal (True) or bidirectional (False); default config.causal.
         cache: a KVCache; the new keys/values are appended and its length advanced by T.
         hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
+        head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a
+            small model's cost, and block diffusion scores only the second half of what it reads.
         """
         B, T = idx.shape
         past = cache.length if cache is not None else 0
@@ -246,5 +248,5 @@ class Transformer(nn.Module):
                 hidden[i + 1] = x
         if cache is not None:
             cache.advance(T)
-        logits = F.linear(self.norm(x), self.embed.weight)  # (B, T, V), head tied to the embedding
+        logits = F.linear(self.norm(x[:, head_from:]), self.embed.weight)  # (B, T, V), head tied to the embedding
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
