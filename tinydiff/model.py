@@ -248,5 +248,5 @@ class Transformer(nn.Module):
                 hidden[i + 1] = x
         if cache is not None:
             cache.advance(T)
-        logits = F.linear(self.norm(x[:, head_from:]), self.embed.weight)  # (B, T, V), head tied to the embedding
+        logits = F.linear(self.norm(x[:, head_from:]), self.embed.weight)  # (B, T - head_from, V), tied head
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
