@@ -93,6 +93,8 @@ def parse_args(argv=None):
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: the checkpoint's)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass")
     moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts")
+    moe.add_argument("--route-mask-vote", type=float,
+                     help="block routing: a MASK token's vote, against a committed token's 1")
     return p.parse_args(argv)
 
 
@@ -185,8 +187,8 @@ def main(argv=None):
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
                         f"{args.ckpt} holds a {ckpt['kind']} model")
-    moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold,
-                             args.route_guard) is not None  # the saved expert routing unless a flag says otherwise
+    moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold, args.route_guard,
+                             args.route_mask_vote) is not None  # the saved expert routing unless a flag says otherwise
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)

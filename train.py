@@ -43,8 +43,8 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 # Settings that define a run: on --resume they come from the checkpoint.
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
-                "routing", "route_threshold", "route_guard", "target", "block_size", "regenerate", "steps_ahead",
-                "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block")
+                "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
+                "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block")
 
 
 def layer_ids(text: str) -> list[int]:
@@ -92,6 +92,8 @@ def parse_args(argv=None):
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
     moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
     moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default 4)")
+    moe.add_argument("--route-mask-vote", type=float, help="block routing: a MASK token's vote in its block's "
+                     "coreset, against a committed token's 1 (default 1, the paper's rule)")
     return p.parse_args(argv)
 
 
@@ -101,7 +103,7 @@ def defaults(args, device: str) -> dict:
                 "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
                 "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
-                "target": None, "block_size": 16, "regenerate": None,
+                "route_mask_vote": 1.0, "target": None, "block_size": 16, "regenerate": None,
                 "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
                 "experts": None, "top_k": None, "noise_block": None}
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
@@ -235,7 +237,8 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         overrides = {"context": run["context"]} if run["context"] else {}
         model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
     if run["model"] == "mdlm-moe":
-        set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"])
+        set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
+                    mask_vote=run.get("route_mask_vote") or 1.0)  # .get: a run from before the flag
     elif run["routing"] != "token":
         raise UserError("--routing applies to --model mdlm-moe only")
     if run.get("noise_block") is not None:  # None keeps --init's objective

@@ -93,10 +93,24 @@ with torch.no_grad():
           "experts:\n   either way each token gets its own top-2 back, which is token routing "
           "(tests/test_dmoe.py proves the guard case).\n")
 
+    print("5. Whose votes count. Late in a block most tokens are committed and vote alike, but the sampler")
+    print("   reads only the MASK positions' outputs. Say the last 6 tokens are still MASK (one shared state):")
+    x[0, -6:] = 1.5 * torch.randn(D)  # MASKs share an embedding, so they route alike
+    layer.threshold, layer.guard = threshold, K
+    mask_top = set(layer.router(x[0, -1]).topk(K).indices.tolist())  # what the MASK tokens want
+    for vote in (1.0, 8.0):
+        layer.votes = torch.where(torch.arange(BLOCK) >= BLOCK - 6, vote, 1.0)[None]  # (1, T)
+        layer(x)
+        kept = set(layer.last["coreset"][0, 0].nonzero().flatten().tolist())
+        print(f"   MASK vote {vote:g}: coreset {sorted(kept)}; the MASK tokens' own top-{K} {sorted(mask_top)} "
+              f"{'inside' if mask_top <= kept else 'not all inside'}")
+    layer.votes = None
+    print("   (--route-mask-vote W; ours, not the paper's. MoETransformer sets the votes from the token ids.)\n")
+
     config = moe_config("tiny", context=64 if args.quick else 256)
     model = MoETransformer(config).eval()
     counts = param_counts(model)
-    print(f"5. The whole diffusion LM: moe_config('tiny') = {config.n_layer} layers x {config.n_experts} "
+    print(f"6. The whole diffusion LM: moe_config('tiny') = {config.n_layer} layers x {config.n_experts} "
           f"experts of width {config.expert_d_ff}, top-{config.moe_top_k} + 1 shared\n   "
           f"({config.moe_top_k + 1} x {config.expert_d_ff} = the dense d_ff {config.d_ff}): "
           f"{counts['total']:,} parameters, {counts['active']:,} active per token.")
@@ -111,4 +125,4 @@ with torch.no_grad():
               f"read of {s['expert_bytes_all'] / 2**20:.1f}, {1000 * s['moe_seconds']:.0f} ms in the MoE layers")
     print("   Untrained, the router is nearly uniform, so the block's mass is spread thin and the coreset\n"
           "   is large. Training with token routing, then fine-tuning with block routing, concentrates it:\n"
-          "   python train.py --model mdlm-moe, then --routing block --threshold 0.6 --guard 4.")
+          "   python train.py --model mdlm-moe, then --routing block --route-threshold 0.6 --route-guard 4.")

@@ -38,6 +38,12 @@ def moe():
     return model
 
 
+@pytest.fixture
+def moe_voting(moe):
+    set_routing(moe, "block", mask_vote=4.0)  # the noisy half's MASKs weigh more in its coresets
+    return moe
+
+
 def test_mask_lets_clean_blocks_see_back_and_noisy_blocks_see_clean_prefix_and_themselves():
     c, n = "clean", "noisy"
     rows = [(c, 0), (c, 1), (n, 0), (n, 1)]  # T = 4, block 2: positions 0,1 in block 0, 2,3 in block 1
@@ -51,7 +57,7 @@ def test_mask_lets_clean_blocks_see_back_and_noisy_blocks_see_clean_prefix_and_t
     assert torch.equal(clean_and_noisy_mask(4, 2), want)
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
+@pytest.mark.parametrize("which", ["dense", "moe", "moe_voting"])
 def test_one_forward_equals_the_samplers_block_causal_forwards(which, request):
     """For every block: the model run on [clean blocks before, noisy block] with the block-causal
     mask the samplers use (the routing blocks line up too) scores the block the same."""

@@ -5,7 +5,7 @@ from itertools import combinations
 import pytest
 import torch
 
-from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, balance_loss, block_routing,
+from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, balance_loss, block_mass, block_routing,
                            mdlm_moe_loss, moe_config, moe_layers, moe_stats, param_counts,
                            reset_stats, route, set_routing, switch_balance)
 from tinydiff.errors import UserError
@@ -103,6 +103,42 @@ def test_tokens_choose_their_top_k_inside_their_blocks_coreset():
             best = sorted(allowed, key=lambda e: -float(scores[b, t, e]))[:3]
             assert sorted(experts[b, t].tolist()) == sorted(best)
             assert torch.allclose(weights[b, t], scores[b, t, experts[b, t]] / scores[b, t, best].sum())
+
+
+def test_a_vote_of_n_counts_as_n_copies_of_the_token():
+    """An integer vote adds the token's top-k scores in that many times: the block's mass and its
+    coresets are those of a block that holds that many copies of the token."""
+    scores = random_scores(1, 6, 8, seed=11, sharp=1.5)
+    votes = torch.tensor([[1.0, 1.0, 3.0, 1.0, 2.0, 1.0]])
+    copies = scores[:, [0, 1, 2, 2, 2, 3, 4, 4, 5]]  # (1, 9, 8)
+    torch.testing.assert_close(block_mass(scores, 2, 6, votes), block_mass(copies, 2, 9))
+    thresholds = [i / 20 for i in range(1, 21)]
+    for thr in thresholds:
+        assert torch.equal(block_routing(scores, 2, 6, thr, 1, votes), block_routing(copies, 2, 9, thr, 1))
+    assert any(not torch.equal(block_routing(scores, 2, 6, thr, 1, votes), block_routing(scores, 2, 6, thr, 1))
+               for thr in thresholds)  # the votes did move a coreset
+    same = torch.full((1, 6), 5.0)  # everyone's vote scaled alike: the paper's rule
+    torch.testing.assert_close(block_mass(scores, 2, 3, same), block_mass(scores, 2, 3))
+
+
+@torch.no_grad()
+def test_mask_votes_reach_every_layer_and_spare_blocks_without_masks():
+    model = tiny_moe(routing="block", route_threshold=0.5, route_mask_vote=6.0)
+    for layer in moe_layers(model):
+        torch.nn.init.normal_(layer.router.weight, std=0.5)
+    x = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(3))  # 3 routing blocks
+    x[:, 9:14] = MASK  # block 0 holds no MASK, nor does row 1's block 2
+    x[0, 20] = MASK
+    model(x)
+    votes = torch.where(x == MASK, 6.0, 1.0)
+    moved = 0
+    for layer in moe_layers(model):
+        scores, coreset = layer.last["scores"], layer.last["coreset"]
+        assert torch.equal(coreset, block_routing(scores, 2, 8, 0.5, 2, votes))
+        by_paper = block_routing(scores, 2, 8, 0.5, 2)
+        assert torch.equal(coreset[:, 0], by_paper[:, 0]) and torch.equal(coreset[1, 2], by_paper[1, 2])
+        moved += int((coreset != by_paper).any())
+    assert moved  # the votes changed some layer's coresets
 
 
 def tiny_moe(**overrides):
@@ -251,12 +287,15 @@ def test_bad_settings_fail_with_a_message():
         set_routing(tiny_moe(), "expert")
     with pytest.raises(UserError, match="threshold"):
         set_routing(tiny_moe(), "block", threshold=1.5)
+    for vote in (0.0, -1.0, float("inf")):
+        with pytest.raises(UserError, match="a MASK token's vote must be a positive number"):
+            set_routing(tiny_moe(), "block", mask_vote=vote)
     with pytest.raises(UserError):
         block_routing(torch.rand(2, 8, 4), 2, 4, 0.0, 2)
     with pytest.raises(UserError, match="MoE"):
         balance_loss(Transformer(ModelConfig(n_layer=1, d_model=32, n_head=2, d_ff=64)))
     model = tiny_moe()
-    config = set_routing(model, "block", threshold=0.7, guard=3, block_size=16)
+    config = set_routing(model, "block", threshold=0.7, guard=3, block_size=16, mask_vote=2.5)
     assert model.config is config and (config.routing, config.route_threshold, config.route_guard,
-                                       config.route_block) == ("block", 0.7, 3, 16)
+                                       config.route_block, config.route_mask_vote) == ("block", 0.7, 3, 16, 2.5)
     assert all((l.routing, l.threshold, l.guard, l.block_size) == ("block", 0.7, 3, 16) for l in moe_layers(model))

@@ -151,6 +151,7 @@ def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
     assert saved["routing"] == "token" and block["stats"]["routing"] == "block"
     assert block["stats"]["unique_experts_per_block"] <= saved["unique_experts_per_block"]
     for path, flags, message in ((tmp_path / "moe.pt", ["--route-guard", 3], "--route-guard tunes block routing; add"),
+                                 (tmp_path / "moe.pt", ["--route-mask-vote", 4], "--route-mask-vote tunes block"),
                                  (ckpt, ["--routing", "block"], "--routing needs a mixture-of-experts (mdlm-moe)")):
         res = run("--ckpt", path, *common, *flags)
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]

@@ -101,6 +101,9 @@ def test_cli_routes_a_moe_checkpoint_as_asked(tmp_path, tiny_model, tiny_config)
     assert wide == token and run("block.pt", "--route-threshold", "1.0") == token  # the union of the top-k sets
     with pytest.raises(UserError, match="--route-guard tunes block routing; add --routing block"):
         run("token.pt", "--route-guard", "3")
+    assert run("block.pt", "--route-mask-vote", "50") != block  # MASK positions pick the coresets
+    with pytest.raises(UserError, match="--route-mask-vote tunes block routing; add --routing block"):
+        run("token.pt", "--route-mask-vote", "2")
     with pytest.raises(UserError, match="--route-threshold needs a mixture-of-experts"):
         run("mdlm.pt", "--route-threshold", "0.5")
     with pytest.raises(UserError, match="the guard must lie in"):

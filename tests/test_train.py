@@ -124,10 +124,12 @@ def test_moe_token_training_then_block_fine_tune(story_file, tmp_path):
     token = load_checkpoint(tmp_path / "token" / "ckpt.pt")
     assert token["kind"] == "mdlm-moe" and token["config"]["routing"] == "token"
     train.main(["--model", "mdlm-moe", "--init", str(tmp_path / "token" / "ckpt.pt"), "--routing", "block",
-                "--route-guard", "3", "--data", str(story_file), "--out", str(tmp_path / "block"),
+                "--route-guard", "3", "--route-mask-vote", "4", "--data", str(story_file),
+                "--out", str(tmp_path / "block"),
                 "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--device", "cpu"])
     block = load_checkpoint(tmp_path / "block" / "ckpt.pt")
     assert block["config"]["routing"] == "block" and block["config"]["route_guard"] == 3 and block["step"] == 2
+    assert block["config"]["route_mask_vote"] == 4
     assert block["config"]["context"] == token["config"]["context"]  # the architecture came from --init
     moved = [k for k in token["model"] if not torch.equal(token["model"][k], block["model"][k])]
     assert moved  # it trained from the token-routed weights

@@ -17,6 +17,12 @@ block's coreset is the smallest set of experts, taken in descending order, whose
 coreset. Published (256 experts, top-8, block 32): unique experts per block forward 69.5 -> 14.6
 with 99.1% of the quality kept, after fine-tuning with block routing on.
 
+The mask vote (ours, not the paper's; `route_mask_vote`, 1 = the paper's rule): a MASK token's
+top-k scores count w times a committed token's in its block's mass. Of a block forward's outputs
+the sampler reads only the MASK positions' (committed tokens reach them only through attention),
+yet after the first few steps committed tokens are most of the block and, voting alike, pick the
+coreset. A block without MASK tokens (a finished block on its way into the KV cache) routes as before.
+
 Scores are softmax probabilities by default: each token then casts one vote of total weight 1
 into its block's distribution, and the Switch term is defined on them. "sigmoid" (DeepSeek-V3 /
 Ling style) is offered too; its top-k weights are renormalised the same way.
@@ -44,6 +50,7 @@ from tinydiff import kernels
 from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
+from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
 SCORES = ("softmax", "sigmoid")
@@ -61,12 +68,13 @@ class MoEConfig(ModelConfig):
     route_block: int = 32          # positions per routing block (also the block of the stats)
     route_threshold: float = 0.6   # block routing: coreset mass to reach
     route_guard: int = 4           # block routing: coreset size at least this (>= moe_top_k)
+    route_mask_vote: float = 1.0   # block routing: a MASK token's vote, against a committed token's 1
 
     def __post_init__(self):
         if self.expert_d_ff is None:
             self.expert_d_ff = max(1, self.d_ff // (self.moe_top_k + int(self.shared_expert)))
         check_routing(self.routing, self.route_threshold, self.route_guard, self.route_block,
-                      self.moe_top_k, self.n_experts)
+                      self.moe_top_k, self.n_experts, self.route_mask_vote)
         if self.score not in SCORES:
             raise UserError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.expert_d_ff < 1 or self.balance_coef < 0:
@@ -74,7 +82,7 @@ class MoEConfig(ModelConfig):
                             f"got {self.expert_d_ff} and {self.balance_coef}")
 
 
-def check_routing(routing, threshold, guard, block_size, top_k, n_experts):
+def check_routing(routing, threshold, guard, block_size, top_k, n_experts, mask_vote=1.0):
     if n_experts < 1 or not 1 <= top_k <= n_experts:
         raise UserError(f"need 1 <= top_k <= n_experts, got top_k {top_k} with {n_experts} experts")
     if routing not in ROUTINGS:
@@ -86,6 +94,8 @@ def check_routing(routing, threshold, guard, block_size, top_k, n_experts):
                         f"needs {top_k} experts in its block's coreset), got {guard}")
     if block_size < 1:
         raise UserError(f"the routing block size must be >= 1, got {block_size}")
+    if not 0 < mask_vote < math.inf:
+        raise UserError(f"a MASK token's vote must be a positive number, got {mask_vote}")
 
 
 def moe_config(name: str, **overrides) -> MoEConfig:
@@ -104,23 +114,27 @@ def pad_blocks(x, block_size: int):
     return torch.cat([pad, x], 1).view(B, n_blocks, block_size, *x.shape[2:])
 
 
-def block_mass(scores, top_k: int, block_size: int):
-    """Each block's routing distribution (B, n_blocks, E): its tokens' top-k scores, summed, normalised."""
+def block_mass(scores, top_k: int, block_size: int, votes=None):
+    """Each block's routing distribution (B, n_blocks, E): its tokens' top-k scores, summed (each
+    token's weighted by its vote (B, T) when given), normalised."""
     top = scores.topk(top_k, dim=-1)
     kept = torch.zeros_like(scores).scatter(-1, top.indices, top.values)  # (B, T, E): others 0
+    if votes is not None:
+        kept = kept * votes[..., None]
     mass = pad_blocks(kept, block_size).sum(2)  # (B, n_blocks, E)
     return mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
 
 
-def block_routing(scores, top_k: int, block_size: int, threshold: float, guard: int):
-    """The coreset mask (B, n_blocks, E) bool of every block, from router scores (B, T, E)."""
+def block_routing(scores, top_k: int, block_size: int, threshold: float, guard: int, votes=None):
+    """The coreset mask (B, n_blocks, E) bool of every block, from router scores (B, T, E) and
+    optionally each token's vote (B, T) in its block's mass (default: 1 each, the paper's rule)."""
     if scores.dim() != 3:
         raise UserError(f"scores must have shape (B, T, E), got {tuple(scores.shape)}")
     E = scores.shape[-1]
     if not 1 <= top_k <= E or not 1 <= guard <= E or block_size < 1 or not 0 < threshold <= 1:
         raise UserError(f"need 1 <= top_k, guard <= E ({E}), block_size >= 1, threshold in (0, 1]; got "
                         f"top_k {top_k}, guard {guard}, block_size {block_size}, threshold {threshold}")
-    mass, order = block_mass(scores.float(), top_k, block_size).sort(dim=-1, descending=True, stable=True)
+    mass, order = block_mass(scores.float(), top_k, block_size, votes).sort(dim=-1, descending=True, stable=True)
     before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)  # mass ranked above
     # An expert joins while the mass ranked above it is short of the threshold: so the first always
     # joins, and so does the one that crosses. Both conditions only turn False further down the
@@ -162,6 +176,7 @@ class MoEFeedForward(nn.Module):
         self.n_experts, self.top_k, self.score = config.n_experts, config.moe_top_k, config.score
         self.routing, self.block_size = config.routing, config.route_block
         self.threshold, self.guard = config.route_threshold, config.route_guard
+        self.votes = None  # (B, T) each token's vote in its block's mass; MoETransformer sets it per forward
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
         self.sync_timing = False  # synchronize CUDA around the layer so its time is the GPU's
         self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
@@ -183,7 +198,7 @@ class MoEFeedForward(nn.Module):
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         coreset = None
         if self.routing == "block":
-            coreset = block_routing(scores, self.top_k, self.block_size, self.threshold, self.guard)
+            coreset = block_routing(scores, self.top_k, self.block_size, self.threshold, self.guard, self.votes)
         weights, experts = route(scores, self.top_k, coreset, self.block_size)  # (B, T, k) each
         flat, chosen, mix = x.reshape(B * T, D), experts.view(B * T, -1), weights.view(B * T, -1)
         if kernels.for_inference(flat):  # one launch for all experts instead of E small ones
@@ -239,6 +254,15 @@ class MoETransformer(Transformer):
                 if name.endswith("down.weight"):
                     nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    def forward(self, idx, **kwargs):
+        """Transformer.forward; first gives every MASK position of idx (B, T) its vote in block routing.
+        The layers see hidden states only, so which positions are still MASK is told them here."""
+        vote = self.config.route_mask_vote
+        votes = None if vote == 1 else torch.where(idx == MASK, vote, 1.0)  # (B, T)
+        for layer in moe_layers(self):
+            layer.votes = votes
+        return super().forward(idx, **kwargs)
+
 
 def moe_layers(model) -> list[MoEFeedForward]:
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
@@ -247,14 +271,15 @@ def moe_layers(model) -> list[MoEFeedForward]:
     return layers
 
 
-def set_routing(model, routing: str, threshold=None, guard=None, block_size=None) -> MoEConfig:
+def set_routing(model, routing: str, threshold=None, guard=None, block_size=None, mask_vote=None) -> MoEConfig:
     """Switch every MoE layer to `routing` ("token" or "block"); None keeps the current setting.
     model.config becomes a new MoEConfig recording the routing (save it in the checkpoint)."""
     layers = moe_layers(model)
     config = replace(model.config, routing=routing,  # replace() re-validates through __post_init__
                      route_threshold=model.config.route_threshold if threshold is None else threshold,
                      route_guard=model.config.route_guard if guard is None else guard,
-                     route_block=model.config.route_block if block_size is None else block_size)
+                     route_block=model.config.route_block if block_size is None else block_size,
+                     route_mask_vote=model.config.route_mask_vote if mask_vote is None else mask_vote)
     model.config = config
     for layer in layers:
         layer.routing, layer.threshold = config.routing, config.route_threshold
@@ -262,11 +287,13 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
     return config
 
 
-def routing_from_flags(model, kind: str, path, routing=None, threshold=None, guard=None):
-    """A CLI's --routing / --route-threshold / --route-guard applied to a loaded checkpoint: its saved
-    routing where a flag is not given. Returns the MoEConfig in use, or None for a dense model."""
+def routing_from_flags(model, kind: str, path, routing=None, threshold=None, guard=None, mask_vote=None):
+    """A CLI's --routing / --route-threshold / --route-guard / --route-mask-vote applied to a loaded
+    checkpoint: its saved routing where a flag is not given. Returns the MoEConfig in use, or None
+    for a dense model."""
     asked = [flag for flag, value in (("--routing", routing), ("--route-guard", guard),
-                                      ("--route-threshold", threshold)) if value is not None]
+                                      ("--route-threshold", threshold), ("--route-mask-vote", mask_vote))
+             if value is not None]
     if kind != "mdlm-moe":
         if asked:
             raise UserError(f"{asked[0]} needs a mixture-of-experts (mdlm-moe) checkpoint; {path} holds a {kind} model")
@@ -275,7 +302,7 @@ def routing_from_flags(model, kind: str, path, routing=None, threshold=None, gua
     tuning = [flag for flag in asked if flag != "--routing"]
     if mode == "token" and tuning:
         raise UserError(f"{tuning[0]} tunes block routing; add --routing block")
-    return set_routing(model, mode, threshold, guard)
+    return set_routing(model, mode, threshold, guard, mask_vote=mask_vote)
 
 
 def balance_loss(model):

@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
     p.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default: its own)")
     p.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default: its own)")
+    p.add_argument("--route-mask-vote", type=float, help="block routing: a MASK token's vote, against a "
+                   "committed token's 1 (default: its own)")
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
@@ -113,11 +115,12 @@ def main(argv=None):
     if args.mdlm:
         models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
         config = routing_from_flags(models["mdlm"], ckpt["kind"], args.mdlm, args.routing, args.route_threshold,
-                                    args.route_guard)
+                                    args.route_guard, args.route_mask_vote)
         if config is not None:
             routing = f", {config.routing} expert routing"
             if config.routing == "block":
-                routing += f" (threshold {config.route_threshold}, guard {config.route_guard})"
+                routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
+                            f"mask vote {config.route_mask_vote:g})")
     if args.ar:
         models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
     tokenizer = Tokenizer()
