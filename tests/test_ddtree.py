@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, Oracle, TreeOracle, TreeTableTarget, assert_caches_equal,
-                           assert_follows_the_joint, check_block_counts, exact_joint, random_drafter, random_model,
-                           recorded_run, sample_counts)
+                           assert_follows_the_joint, assert_same, check_block_counts, exact_joint, float64,
+                           random_drafter, random_model, recorded_run, sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from tinydiff.ar import ar_generate
@@ -141,6 +141,12 @@ def models():
     return target, random_drafter(target, seed=1, n_layer=2, block_size=8, n_features=2)
 
 
+@pytest.fixture(scope="module")
+def models64(models):
+    """The same in float64: tests that compare two code paths hold them to float64 rounding."""
+    return float64(*models)
+
+
 def verify_tree(target, seq, tree, layers):
     """One tree forward after a cache holding seq[:-1]: (logits (N+1, V), hidden, cache)."""
     cache = target.new_cache()
@@ -152,10 +158,11 @@ def verify_tree(target, seq, tree, layers):
 
 
 @torch.no_grad()
-def test_tree_logits_equal_a_causal_forward_on_each_path(models):
+def test_tree_logits_equal_a_causal_forward_on_each_path(models64):
     """Catches mask, position and RoPE errors at once: every node's logits and hidden states (the
-    drafter's next context features) are those of prefix + its path read causally."""
-    target, drafter = models
+    drafter's next context features) are those of prefix + its path read causally (in float64: to
+    float64 rounding)."""
+    target, drafter = models64
     layers = drafter.config.feature_layers
     g = torch.Generator().manual_seed(3)
     for seq in ([EOT], [EOT, 11, 12, 13, 14, 15]):
@@ -166,14 +173,14 @@ def test_tree_logits_equal_a_causal_forward_on_each_path(models):
             full = torch.tensor([seq + list(prefix_of(tree, i))])
             ref_logits, ref_hidden = target(full, causal=True, hidden_layers=layers)
             for ours, ref in [(logits[i], ref_logits[0, -1])] + [(h[i], r[0, -1]) for h, r in zip(hidden, ref_hidden)]:
-                assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max(), (seq, i)
+                assert_same(ours, ref)
 
 
 @torch.no_grad()
-def test_compaction_leaves_the_cache_of_the_committed_sequence(models):
+def test_compaction_leaves_the_cache_of_the_committed_sequence(models64):
     """After compact_cache(path) the target cache equals a fresh causal forward over seq + the path's
-    tokens, for every node's path (the root alone included)."""
-    target, drafter = models
+    tokens (to float64 rounding), for every node's path (the root alone included)."""
+    target, drafter = models64
     g = torch.Generator().manual_seed(4)
     seq = [EOT, 21, 22, 23]
     tree = build_tree(torch.randn(4, 5, generator=g) * 2, 12)
@@ -217,17 +224,18 @@ def branch_steps(rounds):
 
 @pytest.fixture(scope="module")
 def small_vocab():
-    """A 64-token target: a random drafter's trees then often hold the target's picks, on branches too."""
+    """A 64-token target: a random drafter's trees then often hold the target's picks, on branches too.
+    In float64, as models64."""
     target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=4, n_head=2, d_model=32, d_ff=64), seed=5)
-    return target, random_drafter(target, seed=6, block_size=8, n_features=1, std=0.3)
+    return float64(target, random_drafter(target, seed=6, block_size=8, n_features=1, std=0.3))
 
 
 @torch.no_grad()
-def test_greedy_output_equals_the_targets_greedy_decoding(models, small_vocab):
+def test_greedy_output_equals_the_targets_greedy_decoding(models64, small_vocab):
     """Token for token, for budgets 1 (a single depth-1 node), 3 and 6 (too small to hold every branch)
     and 32, blocks of 4 and 8, runs with and without a stop token emitted mid-way, and two drafters: the
     decoy oracle on GPT-2's vocabulary and a random drafter on 64 ids (trees that hit by chance)."""
-    target, _ = models
+    target, _ = models64
     oracle = TreeOracle(random_drafter(target, seed=2, block_size=8, n_features=2), target,
                         wrong=lambda position: position % 3 == 0)
     pairs = {"oracle": (target, oracle.drafter, oracle), "random, 64 ids": (*small_vocab, None)}
@@ -253,10 +261,10 @@ def test_greedy_output_equals_the_targets_greedy_decoding(models, small_vocab):
 
 
 @torch.no_grad()
-def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models):
+def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models64):
     """With a decoy ahead of the target's pick every third position, DFlash's single path stops at
     each decoy; a tree with room for both branches at every decoy accepts all B-1 depths."""
-    target, _ = models
+    target, _ = models64
     for B, prompt in itertools.product((4, 8), ([EOT], [EOT, 7, 8, 9])):
         oracle = TreeOracle(random_drafter(target, seed=3, block_size=8, n_features=2), target,
                             wrong=lambda position: position % 3 == 0)
@@ -276,9 +284,9 @@ def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models):
 
 
 @torch.no_grad()
-def test_caches_hold_exactly_the_committed_context_after_every_round(models, small_vocab):
+def test_caches_hold_exactly_the_committed_context_after_every_round(models64, small_vocab):
     """After every round both caches hold the committed tokens but the newest: the target's K/V and the
-    drafter's context K/V equal a recomputation from scratch over seq[:-1]."""
+    drafter's context K/V equal a recomputation from scratch over seq[:-1], to float64 rounding."""
     checked = {"full": 0, "partial": 0, "branch": 0, "stopped": 0}
     current = {}
 
@@ -294,7 +302,7 @@ def test_caches_hold_exactly_the_committed_context_after_every_round(models, sma
         full = info["tree"].size > 0 and info["accepted"] == int(info["tree"].depths.max())
         checked["full" if full else "partial"] += 1
 
-    target, _ = models
+    target, _ = models64
     oracle = TreeOracle(random_drafter(target, seed=3, block_size=8, n_features=2), target,
                         wrong=lambda position: position % 4 == 0)
     cases = [(target, oracle.drafter, oracle, 0, [EOT, 3, 4, 5], 12), (*small_vocab, None, 1.0, [EOT % 64], 32)]

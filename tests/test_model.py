@@ -3,11 +3,18 @@ KV-cached decoding, crop and keep, hidden-state taps, parameter counts of the pr
 import pytest
 import torch
 import torch.nn.functional as F
+from stats_helpers import assert_same, float64
+from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
 
-ATOL = 1e-5  # fp32; the cached and uncached paths sum the same terms in different orders
+
+@pytest.fixture
+def model64(tiny_model):
+    """tiny_model in float64, for the tests that compare two code paths (cached and uncached, a tree
+    and its path): they sum the same terms in different orders, so they agree to float64 rounding."""
+    return float64(tiny_model)[0]
 
 
 def tokens(B, T, seed=0):
@@ -68,15 +75,16 @@ def test_explicit_causal_mask_equals_causal(tiny_model):
 
 
 @torch.no_grad()
-def test_kv_cached_decoding_equals_full_forward(tiny_model):
+def test_kv_cached_decoding_equals_full_forward(model64):
     x = tokens(2, 30)
-    full = tiny_model(x, causal=True)
-    cache = tiny_model.new_cache(2)
-    parts = [tiny_model(x[:, :9], cache=cache, causal=True)]
+    full = model64(x, causal=True)
+    cache = model64.new_cache(2)
+    assert cache.k[0].dtype == torch.float64  # the weights' dtype
+    parts = [model64(x[:, :9], cache=cache, causal=True)]
     for t in range(9, 30, 4):  # chunks of several tokens, then the last odd one
-        parts.append(tiny_model(x[:, t:t + 4], cache=cache, causal=True))
+        parts.append(model64(x[:, t:t + 4], cache=cache, causal=True))
     assert cache.length == 30
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=0)
+    assert_same(torch.cat(parts, 1), full)
 
 
 def cache_rows(cache, n):
@@ -84,69 +92,68 @@ def cache_rows(cache, n):
 
 
 @torch.no_grad()
-def test_crop_equals_recomputing_the_prefix(tiny_model):
+def test_crop_equals_recomputing_the_prefix(model64):
     x = tokens(1, 20)
-    cache = tiny_model.new_cache()
-    tiny_model(x[:, :12], cache=cache, causal=True)
-    tiny_model(tokens(1, 5, seed=1), cache=cache, causal=True)  # a rejected draft
+    cache = model64.new_cache()
+    model64(x[:, :12], cache=cache, causal=True)
+    model64(tokens(1, 5, seed=1), cache=cache, causal=True)  # a rejected draft
     cache.crop(12)
-    fresh = tiny_model.new_cache()
-    tiny_model(x[:, :12], cache=fresh, causal=True)
+    fresh = model64.new_cache()
+    model64(x[:, :12], cache=fresh, causal=True)
     for a, b in zip(cache_rows(cache, 12), cache_rows(fresh, 12)):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        assert_same(a, b)
     # and decoding continues as if the draft never happened
-    torch.testing.assert_close(tiny_model(x[:, 12:], cache=cache, causal=True),
-                               tiny_model(x, causal=True)[:, 12:], atol=ATOL, rtol=0)
+    assert_same(model64(x[:, 12:], cache=cache, causal=True), model64(x, causal=True)[:, 12:])
     with pytest.raises(ValueError):
         cache.crop(cache.length + 1)
 
 
 @torch.no_grad()
-def test_keep_rows_of_a_tree_equals_recomputing_the_path(tiny_model):
+def test_keep_rows_of_a_tree_equals_recomputing_the_path(model64):
     """Prefix of 10, then two sibling branches [a1, a2] and [b1, b2] at positions 10, 11 in one
     forward with an ancestor mask; keeping prefix + branch b equals a cache of prefix + b."""
     prefix, a, b = tokens(1, 10), tokens(1, 2, seed=1), tokens(1, 2, seed=2)
-    cache = tiny_model.new_cache()
-    tiny_model(prefix, cache=cache, causal=True)
+    cache = model64.new_cache()
+    model64(prefix, cache=cache, causal=True)
     tree = torch.cat([a, b], 1)  # nodes: a1 a2 b1 b2
     sees = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
     mask = torch.cat([torch.ones(4, 10, dtype=torch.bool), sees], 1)  # (4, 14)
-    tree_logits = tiny_model(tree, mask=mask, pos=torch.tensor([10, 11, 10, 11]), cache=cache)
+    tree_logits = model64(tree, mask=mask, pos=torch.tensor([10, 11, 10, 11]), cache=cache)
     cache.keep(list(range(10)) + [12, 13])
-    fresh = tiny_model.new_cache()
-    path_logits = tiny_model(torch.cat([prefix, b], 1), cache=fresh, causal=True)
+    fresh = model64.new_cache()
+    path_logits = model64(torch.cat([prefix, b], 1), cache=fresh, causal=True)
     assert cache.length == fresh.length == 12
     for x, y in zip(cache_rows(cache, 12), cache_rows(fresh, 12)):
-        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
-    torch.testing.assert_close(tree_logits[:, 2:], path_logits[:, 10:], atol=ATOL, rtol=0)
+        assert_same(x, y)
+    assert_same(tree_logits[:, 2:], path_logits[:, 10:])
 
 
 @torch.no_grad()
-def test_positions_enter_only_through_relative_rope(tiny_model):
+def test_positions_enter_only_through_relative_rope(model64):
     x = tokens(2, 8)
-    base = tiny_model(x, causal=True)
-    shifted = tiny_model(x, pos=torch.arange(3, 11), causal=True)
-    assert torch.equal(shifted, tiny_model(x, pos=torch.arange(3, 11).expand(2, 8), causal=True))
-    # RoPE scores depend on distances only: a uniform shift changes nothing but rounding,
-    rounding = (shifted - base).abs().max()
-    assert rounding < 1e-5
+    base = model64(x, causal=True)
+    shifted = model64(x, pos=torch.arange(3, 11), causal=True)
+    assert torch.equal(shifted, model64(x, pos=torch.arange(3, 11).expand(2, 8), causal=True))
+    # RoPE scores depend on distances only: a uniform shift changes nothing but (float64) rounding,
+    assert_same(shifted, base)
     # while moving the last token away from the others changes what it sees, by far more.
-    moved = tiny_model(x, pos=torch.tensor([0, 1, 2, 3, 4, 5, 6, 20]), causal=True)
-    assert (moved[:, -1] - base[:, -1]).abs().max() > 100 * rounding
+    moved = model64(x, pos=torch.tensor([0, 1, 2, 3, 4, 5, 6, 20]), causal=True)
+    assert (moved[:, -1] - base[:, -1]).abs().max() > 1e-4 * base.abs().max()  # 1e-3 of it here
 
 
 @torch.no_grad()
-def test_hidden_layers_are_the_residual_stream(tiny_model):
+def test_hidden_layers_are_the_residual_stream(model64):
     x = tokens(1, 6)
-    logits, (h2, h0, h1) = tiny_model(x, hidden_layers=[2, 0, 1])
-    torch.testing.assert_close(h0, tiny_model.embed(x))
-    torch.testing.assert_close(logits, F.linear(tiny_model.norm(h2), tiny_model.embed.weight))
-    torch.testing.assert_close(h2, tiny_model.blocks[1](h1, *rope(tiny_model, 6), None, True, None, 1))
+    logits, (h2, h0, h1) = model64(x, hidden_layers=[2, 0, 1])
+    assert_same(h0, model64.embed(x))
+    assert_same(logits, F.linear(model64.norm(h2), model64.embed.weight))
+    assert_same(h2, model64.blocks[1](h1, *rope(model64, 6), None, True, None, 1))
 
 
-def test_head_from_gives_the_same_logits_for_the_later_positions(tiny_model):
+@torch.no_grad()
+def test_head_from_gives_the_same_logits_for_the_later_positions(model64):
     x = tokens(2, 10)
-    torch.testing.assert_close(tiny_model(x, head_from=4), tiny_model(x)[:, 4:])
+    assert_same(model64(x, head_from=4), model64(x)[:, 4:])
 
 
 def rope(model, T):

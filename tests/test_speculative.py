@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, TableModel, TokenCache, assert_alpha, assert_follows_the_joint,
-                           exact_joint, one_hot, perturbed, random_model, recorder)
+                           assert_same, exact_joint, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 from tinydiff.ar import ar_generate
@@ -40,7 +40,7 @@ def check_counts(out, stats, rounds, k):
 
 
 # Greedy: lossless means token for token. Target and drafts (greedy_models, from stats_helpers) use
-# GPT-2's full vocabulary (and MASK).
+# GPT-2's full vocabulary (and MASK), in float64.
 @torch.no_grad()
 def test_greedy_output_equals_the_targets_greedy_decoding(greedy_models):
     target, drafts = greedy_models
@@ -49,8 +49,10 @@ def test_greedy_output_equals_the_targets_greedy_decoding(greedy_models):
         prompt = torch.randint(0, 50257, (2 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         full, _ = ar_generate(target, prompt, 20, temperature=0, stop_token=None)
         stop = full[11]  # a token greedy decoding emits mid-way: the run ends there
+        greedy = {stop_token: ar_generate(target, prompt, 20, temperature=0, stop_token=stop_token)[0]
+                  for stop_token in (None, stop)}
         for k, (name, draft), stop_token in itertools.product((1, 2, 4, 8), drafts.items(), (None, stop)):
-            expected, _ = ar_generate(target, prompt, 20, temperature=0, stop_token=stop_token)
+            expected = greedy[stop_token]
             rounds, on_round = recorder()
             out, stats = speculative_generate(target, draft, prompt, 20, k, temperature=0,
                                               stop_token=stop_token, on_round=on_round)
@@ -124,7 +126,8 @@ def test_never_overshoots_and_never_returns_mask(greedy_models):
 @torch.no_grad()
 def test_caches_equal_a_recomputation_after_every_round(greedy_models):
     """Target cache: every committed token but the newest. Draft cache: the same, one shorter after
-    a full acceptance (it never read its last draft), unchanged by a round without drafts."""
+    a full acceptance (it never read its last draft), unchanged by a round without drafts. Each equals
+    a recomputation to float64 rounding."""
     target, drafts = greedy_models
     checked = {"full": 0, "partial": 0}
 
@@ -133,8 +136,7 @@ def test_caches_equal_a_recomputation_after_every_round(greedy_models):
         model(torch.tensor([seq[:cache.length]]), cache=fresh, causal=True)
         for layer in range(model.config.n_layer):
             for ours, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
-                ours, theirs = ours[layer][:, :, :cache.length], theirs[layer][:, :, :cache.length]
-                assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()  # float rounding only
+                assert_same(ours[layer][:, :, :cache.length], theirs[layer][:, :, :cache.length])
 
     for seed, k, stop in itertools.product(range(3), (2, 4), (None, "mid")):
         prompt = torch.randint(0, 50257, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -184,9 +186,9 @@ def test_bad_input_is_a_clear_error(greedy_models):
 
 def test_residual_completes_p():
     """Accepting x ~ q with probability min(1, p(x)/q(x)) gives y with probability min(p(y), q(y));
-    the rejected mass times the residual must supply exactly the rest of p."""
+    the rejected mass times the residual must supply exactly the rest of p (in float64: to its rounding)."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 64, 10, generator=g) * 3  # (pairs, rows, V)
+    logits = torch.randn(4, 64, 10, generator=g, dtype=torch.float64) * 3  # (pairs, rows, V)
     cases = [(warp(logits[0]), warp(logits[1])),
              (warp(logits[0], top_k=3), warp(logits[1])),             # p is zero where q is not
              (warp(logits[2]), warp(logits[3], top_k=2)),             # q is zero where p is not
@@ -195,10 +197,11 @@ def test_residual_completes_p():
     for p, q in cases:
         r = residual(p, q)  # (rows, V)
         assert (r >= 0).all()
-        torch.testing.assert_close(r.sum(-1), torch.ones(len(r)))
+        assert r.dtype == torch.float64  # warp and residual keep float64
+        torch.testing.assert_close(r.sum(-1), torch.ones(len(r), dtype=torch.float64), atol=5e-14, rtol=0)
         accepted = torch.minimum(p, q)  # q(y) * min(1, p(y)/q(y))
         rejected = 1 - accepted.sum(-1, keepdim=True)
-        torch.testing.assert_close(accepted + rejected * r, p, atol=1e-6, rtol=0)
+        torch.testing.assert_close(accepted + rejected * r, p, atol=5e-14, rtol=0)
 
 
 def test_residual_where_p_equals_q_is_p():

@@ -40,6 +40,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.dflash import draft_block
 from tinydiff.dflash_decode import check_drafter, prefill_caches
 from tinydiff.errors import UserError
+from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, round_stats
 from tinydiff.tokenizer import EOT, MASK
@@ -77,8 +78,9 @@ def build_tree(draft_logits, budget: int) -> Tree:
     """The `budget` highest-scoring prefixes of the drafter's per-depth guesses, as a tree.
 
     draft_logits (D, V): the drafter's logits for depths 1..D. Each depth keeps its top-K log-probs
-    (log-softmax in float32, K = min(budget, V); MASK excluded when V > MASK, and ids of probability 0
-    never enter). A prefix scores the sum of its tokens' log-probs, each token read at its own depth.
+    (log-softmax in float32, float64 logits in float64; K = min(budget, V); MASK excluded when
+    V > MASK, and ids of probability 0 never enter). A prefix scores the sum of its tokens'
+    log-probs, each token read at its own depth.
     Best-first heap: start with (root, depth 1, rank 0); each pop adds one node and pushes its next
     sibling (same parent and depth, rank + 1) and its first child (depth + 1, rank 0). Both score no
     more than the node itself, so nodes pop in descending score and the first `budget` pops are the
@@ -88,7 +90,7 @@ def build_tree(draft_logits, budget: int) -> Tree:
     if draft_logits.dim() != 2:
         raise UserError(f"draft_logits must have shape (depths, V), got {tuple(draft_logits.shape)}")
     D, V = draft_logits.shape
-    logp = draft_logits.detach().float().cpu()
+    logp = draft_logits.detach().to(wide(draft_logits.dtype)).cpu()
     if V > MASK:
         logp = logp.clone()
         logp[:, MASK] = float("-inf")  # never drafted, as in next_token_probs

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
-from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
+from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 PUBLISHED_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}  # block size B -> loss decay g (the paper's choices)
@@ -180,7 +180,7 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """Context K/V per drafter layer, for up to `context` committed positions."""
-        return KVCache(self.layer_config, batch_size, self.fc.weight.device)
+        return KVCache(self.layer_config, batch_size, self.fc.weight.device, self.fc.weight.dtype)
 
     def rope(self, pos):
         """cos, sin for position ids (T,) or (B, T), shaped to broadcast over (B, H, T, D/2)."""
@@ -307,8 +307,10 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
         logits[..., MASK] = float("-inf")
     labels = windows.gather(1, (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1))
     labels = labels.view(Bw, A, B - 1)
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(Bw, A, B - 1)
-    w = torch.exp(-torch.arange(B - 1, device=windows.device) / cfg.loss_decay)  # slot k: exp(-(k-1)/g)
+    ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
+    ce = ce.view(Bw, A, B - 1)
+    slots = torch.arange(B - 1, device=windows.device, dtype=ce.dtype)
+    w = torch.exp(-slots / cfg.loss_decay)  # slot k: exp(-(k-1)/g)
     loss = (ce * w).sum(-1).mean() / w.sum()
     correct = (logits.argmax(-1) == labels).long()  # (Bw, A, B-1)
     return loss, {"ce": loss.detach(), "acc": correct[..., 0].float().mean(),

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tinydiff.dflash import check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
-from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
+from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
@@ -127,7 +127,7 @@ class EagleHead(nn.Module):
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """The block's K/V of committed rows (row t: feature of position t, token t+1)."""
-        return KVCache(self.layer_config, batch_size, self.fuse.weight.device)
+        return KVCache(self.layer_config, batch_size, self.fuse.weight.device, self.fuse.weight.dtype)
 
     def fused(self, hidden):
         """Step 0's features (B, T, D) from the target's hidden states at the 3 feature layers (3 x (B, T, D))."""
@@ -190,8 +190,9 @@ def unrolled_logits(head: EagleHead, windows, steps: int):
 
 
 def draftable(logits):
-    """Float32 logits (..., V) with MASK at -inf: never drafted, as next_token_probs never generates it."""
-    logits = logits.float()
+    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted, as
+    next_token_probs never generates it."""
+    logits = logits.to(wide(logits.dtype))
     if logits.shape[-1] > MASK:
         logits = logits.clone()
         logits[..., MASK] = float("-inf")

@@ -86,7 +86,7 @@ def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generat
 
 
 def log_probs(logits):
-    """The head's log-probabilities (..., V) in float32, MASK excluded (never drafted)."""
+    """The head's log-probabilities (..., V) in float32 (float64 heads: float64), MASK excluded (never drafted)."""
     return torch.log_softmax(draftable(logits), -1)
 
 

@@ -65,21 +65,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32 so bf16 autocast does not lose the small mean square.
-        x32 = x.float()
+        # Normalise in float32 (or wider) so bf16 autocast does not lose the small mean square.
+        x32 = x.to(wide(x.dtype))
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_table(context: int, head_dim: int, base: float):
-    """cos, sin of shape (context, head_dim // 2) for rotating pairs (x[2i], x[2i+1])."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq)
+def rope_table(context: int, head_dim: int, base: float, dtype=torch.float32):
+    """cos, sin of shape (context, head_dim // 2) for rotating pairs (x[2i], x[2i+1]), computed in
+    dtype (float64: the tests' exact paths, where float32's angles would be the largest rounding)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=dtype), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def wide(dtype):
+    """float32 for half precisions, else the dtype itself: float64 stays float64 (the tests' exact paths)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def apply_rope(x, cos, sin):
     """x (B, H, T, D) rotated by per-position angles; cos/sin (B or 1, 1, T, D/2)."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, D/2) each
+    x1, x2 = x.to(wide(x.dtype)).unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, D/2) each
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -93,6 +99,7 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, device, dtype=torch.float32):
+        # dtype: the weights' (float32; float64 in the tests that compare two paths exactly)
         shape = (batch_size, config.n_head, config.context, config.d_model // config.n_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
@@ -204,8 +211,9 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if embedding else n - self.embed.weight.numel()
 
-    def new_cache(self, batch_size: int = 1, device=None, dtype=torch.float32) -> KVCache:
-        return KVCache(self.config, batch_size, device or self.embed.weight.device, dtype)
+    def new_cache(self, batch_size: int = 1, device=None, dtype=None) -> KVCache:
+        weight = self.embed.weight
+        return KVCache(self.config, batch_size, device or weight.device, dtype or weight.dtype)
 
     def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
         """Logits (B, T, V) for token ids idx (B, T).

@@ -23,9 +23,9 @@ def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
 
 
 def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """Probabilities (..., V) in float32 from logits (..., V)."""
+    """Probabilities (..., V) in float32 from logits (..., V) (float64 logits: in float64)."""
     check_warp_args(temperature, top_k, top_p)
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature == 0:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / temperature
