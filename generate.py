@@ -2,6 +2,7 @@
 
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Once upon a time"
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --threshold 0.9
+    python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --cached --entropy-bound 1
     python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Tom had a dog" --temperature 0 --json
     python generate.py --ckpt out/ar-tiny/ckpt.pt --method spec --draft out/ar-draft/ckpt.pt --k 4 \
         --prompt "Tom had a dog"
@@ -86,6 +87,8 @@ def parse_args(argv=None):
     diff.add_argument("--block-length", type=int, default=32, help="blocks are filled left to right")
     diff.add_argument("--remasking", choices=REMASKING, default="low_confidence", help="which positions to commit")
     diff.add_argument("--threshold", type=float, help="commit every position at least this confident (parallel decoding)")
+    diff.add_argument("--entropy-bound", type=float, help="commit the most confident run of positions whose entropies, "
+                      "less the largest, sum to at most this many nats (EB-Sampler; parallel decoding)")
     diff.add_argument("--revise", type=int, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
@@ -169,7 +172,7 @@ def run_speculative(model, prompt, args, generator, warping):
 def run_diffusion(model, prompt, args, generator, callback):
     steps = args.steps or args.gen_length
     common = dict(temperature=args.temperature, remasking=args.remasking, threshold=args.threshold,
-                  generator=generator, callback=callback)
+                  entropy_bound=args.entropy_bound, generator=generator, callback=callback)
     if args.cached:
         if args.revise:
             raise UserError("--revise works with the uncached sampler only; drop --cached or --revise")

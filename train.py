@@ -27,11 +27,13 @@ from tinydiff.sampler import generate, generate_cached
 from tinydiff.checkpoint import StopOnSignal, load_checkpoint, load_model, model_from, save_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
 from tinydiff.dflash_decode import dflash_generate
+from tinydiff.distill import LOSSES, distill_run, student_from
 from tinydiff.eagle import EagleConfig, EagleHead, eagle_loss, head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
+from tinydiff.training import evaluate, lr_at, make_optimizer
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.tokenizer import EOT, Tokenizer
 
@@ -44,7 +46,9 @@ DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
-                "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block")
+                "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block",
+                "distill", "distill_stories", "certainty_weight", "distill_loss")
+STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
 
 
 def layer_ids(text: str) -> list[int]:
@@ -86,6 +90,14 @@ def parse_args(argv=None):
                         help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
     p.add_argument("--noise-block", type=int, help="mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
                    "prefix (block diffusion, what the cached block sampler meets; default: one per window)")
+    distill = p.add_argument_group("distillation for parallel decoding (mdlm, mdlm-moe; tinydiff/distill.py)")
+    distill.add_argument("--distill", metavar="TEACHER_CKPT", help="train a student, from this diffusion LM's weights, "
+                         "on the stories it writes one token per step, to be sure of several tokens per forward")
+    distill.add_argument("--distill-stories", type=int, help="stories the teacher writes (default 1000)")
+    distill.add_argument("--certainty-weight", type=float, help="beta of dParallel's certainty term (default 2; "
+                         "0 = plain masked cross-entropy)")
+    distill.add_argument("--distill-loss", choices=LOSSES, help="certainty (dParallel, default) or tad (far "
+                         "positions learn the teacher's distribution)")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--experts", type=int, help="routed experts per layer (default 32)")
     moe.add_argument("--top-k", type=int, help="routed experts per token (default 3)")
@@ -105,14 +117,20 @@ def defaults(args, device: str) -> dict:
                 "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
                 "route_mask_vote": 1.0, "target": None, "block_size": 16, "regenerate": None,
                 "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
-                "experts": None, "top_k": None, "noise_block": None}
+                "experts": None, "top_k": None, "noise_block": None, "distill": None, "distill_stories": None,
+                "certainty_weight": None, "distill_loss": None}  # None: distill.DistillConfig's default
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
-    if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS:
+    if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
     for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
         if run[key] < 1:
             raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {run[key]}")
+    given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
+    if run["distill"] and given:
+        raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
+    if not run["distill"] and any(run[key] is not None for key in ("distill_stories", "certainty_weight", "distill_loss")):
+        raise UserError("--distill-stories, --certainty-weight and --distill-loss tune --distill TEACHER_CKPT: add it")
     if run["openings"] == "target" and not run["regenerate"]:
         raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     return run
@@ -127,37 +145,6 @@ def resumed_settings(args, ckpt: dict, path) -> dict:
             raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
                             f"({run.get(key)}); drop the flag to resume, or start a new run with another --out")
     return run
-
-
-def lr_at(step: int, run: dict) -> float:
-    """Linear warmup to lr, then cosine decay to min_lr at max_steps."""
-    if step < run["warmup"]:
-        return run["lr"] * (step + 1) / run["warmup"]
-    progress = (step - run["warmup"]) / max(1, run["max_steps"] - run["warmup"])
-    return run["min_lr"] + 0.5 * (run["lr"] - run["min_lr"]) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def make_optimizer(model, run: dict):
-    """AdamW; weight decay on matrices only, never on norms."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": run["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=run["lr"], betas=(0.9, 0.95))
-
-
-@torch.no_grad()
-def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
-    """Mean of each stat over fixed validation windows and fixed noise (the same every time)."""
-    model.eval()
-    totals = {}
-    generator = torch.Generator(windows.device).manual_seed(0)
-    for i in range(0, len(windows), batch_size):
-        with autocast:
-            _, stats = loss_fn(model, windows[i:i + batch_size], generator)
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + float(v) * len(windows[i:i + batch_size])
-    model.train()
-    return {k: v / len(windows) for k, v in totals.items()}
 
 
 def load_target(run: dict, device: str):
@@ -222,7 +209,11 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         raise UserError("--experts and --top-k apply to --model mdlm-moe only")
     if ckpt is not None:
         return model_from(ckpt, path, device)
-    if run["init"]:
+    if run.get("distill"):  # .get: a run from before the flag
+        if run["model"] not in ("mdlm", "mdlm-moe"):
+            raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
+        model = student_from(run["distill"], run["model"], run["init"], device)
+    elif run["init"]:
         init = init_checkpoint(run)
         adapt = init["kind"] == "ar" and run["model"] == "mdlm"
         model = model_from(init, run["init"], device)
@@ -290,7 +281,7 @@ def main(argv=None):
         run = resumed_settings(args, ckpt, out / "ckpt.pt")
     else:
         run = defaults(args, device)
-        out = out or Path("out") / f"{run['model']}-{run['preset']}"
+        out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
         if (out / "ckpt.pt").exists():
             raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
     loss_fn, extra = OBJECTIVES[run["model"]]
@@ -303,7 +294,8 @@ def main(argv=None):
         print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
-        print(f"model: {run['model']} {run['preset']} | params {model.num_params():,} "
+        name = f"student of {run['distill']}" if run.get("distill") else run["preset"]
+        print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
     tokenizer = Tokenizer()
     train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
@@ -321,7 +313,15 @@ def main(argv=None):
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
     window = config.context + extra
-    val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
+
+    def draw(step: int):  # batch `step`, from (seed, step) alone
+        return sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
+
+    if run.get("distill"):  # the teacher's stories and the states inside them replace the windows
+        out.mkdir(parents=True, exist_ok=True)
+        loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device)
+    else:
+        val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 
     optimizer = make_optimizer(model, run)
     step = 0
@@ -352,7 +352,7 @@ def main(argv=None):
             lr = lr_at(step, run)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            windows = sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
+            windows = draw(step)
             # The noise of step i comes from (seed, i) alone, like its batch: resuming replays it.
             noise = torch.Generator(device).manual_seed(run["seed"] * 998_244_353 + step)
             with autocast:

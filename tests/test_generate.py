@@ -72,6 +72,10 @@ def test_diffusion_json_output(mdlm_ckpt):
     out = json.loads(res.stdout)
     assert len(out["ids"]) == 8 and MASK not in out["ids"]
     assert out["stats"]["forwards"] == 4 and out["stats"]["tokens_per_forward"] == 2
+    res = run("--ckpt", mdlm_ckpt, "--prompt", "Once upon a time", "--gen-length", 8, "--block-length", 4, "--cached",
+              "--entropy-bound", "1e9", "--json")  # a bound nothing reaches: each block in one forward
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["stats"]["forwards"] == 2
 
 
 def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
@@ -133,6 +137,8 @@ def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
     (["--method", "ar"], "needs a ar checkpoint"),
+    (["--gen-length", 8, "--block-length", 4, "--entropy-bound", -1], "entropy bound must be a finite number"),
+    (["--gen-length", 8, "--block-length", 4, "--entropy-bound", 0.5, "--threshold", 0.9], "not both"),
 ])
 def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
     res = run("--ckpt", mdlm_ckpt, "--prompt", "hi", *args)
@@ -162,7 +168,7 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8))
     save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=moe.config, model=moe)
     report = bench.main(["--ckpt", str(ckpt), "--mdlm", str(mdlm_ckpt), "--moe", str(tmp_path / "moe.pt"),
-                         "--new-tokens", "8", "--prompts", "2",
+                         "--distilled", str(mdlm_ckpt), "--entropy-bound", "1e9", "--new-tokens", "8", "--prompts", "2",
                          "--data", str(story_file), "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text()) == report and report["device"]
     rows = {r["method"]: r for r in report["rows"]}
@@ -187,12 +193,19 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for name in ("diffusion", "diffusion-cached"):  # one token per denoising step
         assert rows[name]["target_forwards_per_token"] == 1
     assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1
+    for name in ("diffusion-entropy", "diffusion-distilled-entropy"):  # a bound nothing reaches: one forward a block
+        assert rows[name]["target_forwards_per_token"] == 1 / 8
+    for t in (0.9, 0.7, 0.5):
+        assert rows[f"diffusion-distilled-t{t:g}"]["target_forwards_per_token"] <= 1
+        assert rows[f"diffusion-distilled-t{t:g}"]["heldout_nll"] == rows["diffusion"]["heldout_nll"]  # --distilled is it
     assert all(r["tokens_per_s"] > 0 and r["heldout_nll"] > 0 and r["heldout_bpb"] > 0 for r in rows.values())
     assert rows["diffusion"]["heldout_nll"] == rows["diffusion-cached"]["heldout_nll"]  # one model, one number
     assert rows["dmoe-block"]["unique_experts_per_block"] <= rows["dmoe-token"]["unique_experts_per_block"]
     assert rows["dmoe-block"]["expert_bytes_per_forward"] <= rows["dmoe-token"]["expert_bytes_per_forward"]
     with pytest.raises(UserError, match="unknown method"):
         bench.main(["--methods", "nope"])
+    with pytest.raises(UserError, match="--entropy-bound must be"):
+        bench.main(["--entropy-bound", "nan"])
 
 
 def test_canvas_view_redraws_in_place(capsys):

@@ -1,5 +1,5 @@
 """Spec: sample-quality metrics. Generative perplexity is the judge's exp(mean NLL); distinct-n
-counts unique n-grams."""
+counts unique n-grams; d3LLM's AUP on its published test vectors; the curve's CLI."""
 import math
 
 import pytest
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tinydiff import quality
 from tinydiff.checkpoint import save_checkpoint
+from tinydiff.curve import aup, quality_y
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer
 from tinydiff.tokenizer import EOT
@@ -55,11 +56,13 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     mdlm_config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
     rows = quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"),
-                         "--ar", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
-                         "--block-length", "4", "--revise", "1"])
+                         "--student", str(tmp_path / "mdlm.pt"), "--ar", str(tmp_path / "ar.pt"), "--samples", "2",
+                         "--gen-length", "8", "--block-length", "4", "--revise", "1", "--entropy-bound", "1e9"])
     assert [r["sampler"] for r in rows] == list(quality.SAMPLERS)
     by_name = {r["sampler"]: r for r in rows}
-    assert by_name["diffusion"]["forwards_per_token"] == 1.0
+    assert by_name["diffusion"]["forwards_per_token"] == 1.0 == by_name["distilled"]["forwards_per_token"]
+    assert by_name["distilled"]["gen_ppl"] == by_name["diffusion-cached"]["gen_ppl"]  # the same model, sampler, seeds
+    assert by_name["diffusion-entropy"]["forwards_per_token"] == 1 / 4  # a bound nothing reaches: a block a forward
     assert by_name["diffusion-revise"]["forwards_per_token"] == (8 + 2 * 1) / 8
     assert by_name["diffusion-threshold"]["forwards_per_token"] <= 1.0
     assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
@@ -108,3 +111,43 @@ def test_cli_routes_a_moe_checkpoint_as_asked(tmp_path, tiny_model, tiny_config)
         run("mdlm.pt", "--route-threshold", "0.5")
     with pytest.raises(UserError, match="the guard must lie in"):
         run("block.pt", "--route-guard", "9")
+
+
+def test_aup_matches_d3llms_test_vectors():
+    assert aup([(1, 74.1)], 74.98) == pytest.approx(74.1)
+    assert aup([(1, 74.0), (5.14, 72.63)], 74.98) == pytest.approx(358.1, abs=0.05)
+    assert aup([(1, 74.02), (9.11, 73.09)], 74.98) == pytest.approx(637.7, abs=0.05)
+    assert aup([(5.14, 72.63), (1, 74.0)], 74.98) == aup([(1, 74.0), (5.14, 72.63)], 74.98)  # any order in
+    assert aup([(1, 74.0), (4, 60.0)], 74.98) == 74.0  # more than 5 points below the first: dropped
+
+
+def test_quality_y_takes_the_worse_ratio_capped_at_100():
+    ref = {"gen_ppl": 10.0, "distinct_2": 0.5}
+    assert quality_y({"gen_ppl": 20.0, "distinct_2": 0.5}, ref) == 50.0
+    assert quality_y({"gen_ppl": 5.0, "distinct_2": 0.25}, ref) == 50.0  # lower perplexity from repeating earns nothing
+    assert quality_y({"gen_ppl": 5.0, "distinct_2": 0.9}, ref) == 100.0
+
+
+def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
+    save_checkpoint(tmp_path / "ar.pt", kind="ar", config=tiny_config, model=tiny_model)
+    mdlm_config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
+    args = ["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--student", str(tmp_path / "mdlm.pt"),
+            "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
+            "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--data",
+            str(story_file), "--json", str(tmp_path / "curve.json")]
+    rows = quality.main(args)
+    settings = [(r["model"], r["setting"]) for r in rows]
+    assert settings == [(m, s) for m in ("teacher", "student") for s in
+                        ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09")] + \
+        [("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
+    by = {(r["model"], r["setting"]): r for r in rows}
+    assert by["teacher", "one token per step"]["y"] == 100 and by["teacher", "one token per step"]["agreement_t0"] == 1
+    assert by["teacher", "threshold 1e-09"]["forwards_per_token"] == 1 / 4  # every token clears it: a block a forward
+    assert by["teacher", "entropy bound 0"]["gen_ppl"] == by["teacher", "one token per step"]["gen_ppl"]
+    assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
+    assert (tmp_path / "curve.json").is_file()
+    with pytest.raises(UserError, match="entropy bounds"):
+        quality.main(args[:-6] + ["--entropy-bounds", "-1"])
+    with pytest.raises(UserError, match="--draft adds"):
+        quality.main(["--judge", str(tmp_path / "ar.pt"), "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt")])

@@ -1,10 +1,13 @@
 """Spec: the diffusion samplers, step by step. Every step is recorded through the callback and
-checked against a recomputation of that step from the canvas before it."""
+checked against a recomputation of that step from the canvas before it: the LLaDA schedule,
+argmax and threshold commits, self-correction, the entropy bound (a brute-force recomputation of
+the longest run it allows), and the prefix-cached sampler against the block-causal one."""
 import copy
 from dataclasses import replace
 
 import pytest
 import torch
+from stats_helpers import random_model
 
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
@@ -18,6 +21,20 @@ PROMPT = [50256, 464, 3797, 318]
 def model():
     torch.manual_seed(0)
     return Transformer(ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False)).eval()
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """Random weights whose blocks matter (the default init barely reads the context), in float64
+    so that two paths that sum in other orders still pick the same argmax."""
+    return random_model(ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), 0).double()
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """sharp with a larger embedding (the tied head): entropies from 0.01 to 2.3 nats, not all ~9."""
+    return random_model(ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), 0,
+                        embed_std=2.0).double()
 
 
 def run(model, **kwargs):
@@ -100,7 +117,7 @@ def test_self_correction_changes_only_the_revised_tokens(model):
 def test_same_seed_same_tokens(model):
     def sample(seed, **kw):
         return generate(model, PROMPT, 16, 8, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)[0]
-    for kw in ({}, {"remasking": "random"}, {"threshold": 0.5}):
+    for kw in ({}, {"remasking": "random"}, {"threshold": 0.5}, {"entropy_bound": 0.5}, {"remasking": "low_entropy"}):
         assert sample(1, **kw) == sample(1, **kw) != sample(2, **kw)
 
 
@@ -113,12 +130,71 @@ def shifted(model):
 
 
 @pytest.mark.parametrize("shift", [False, True])
-@pytest.mark.parametrize("steps, block_length, threshold", [(16, 8, None), (8, 4, None), (4, 16, None), (16, 8, 0.5)])
-def test_cached_equals_uncached_block_causal(model, shifted, shift, steps, block_length, threshold):
-    model = shifted if shift else model
-    a, sa = generate(model, PROMPT, 16, steps, block_length, threshold=threshold, block_causal=True)
-    b, sb = generate_cached(model, PROMPT, 16, steps, block_length, threshold=threshold)
-    assert a == b and sa["forwards"] == sb["forwards"]
+@pytest.mark.parametrize("steps, block_length, rule", [(16, 8, {}), (8, 4, {}), (4, 16, {}), (16, 8, {"threshold": 0.5}),
+                                                       (16, 8, {"entropy_bound": 1.0})])
+def test_cached_equals_uncached_block_causal(sharp, shift, steps, block_length, rule):
+    """Token for token, with weights that read the context, a shifted twin included, and a prompt
+    longer than a block (it is one block all the same)."""
+    model = copy.deepcopy(sharp)
+    model.config = replace(sharp.config, shift=shift)
+    for prompt in (PROMPT, PROMPT * 3):
+        a, sa = generate(model, prompt, 16, steps, block_length, block_causal=True, **rule)
+        b, sb = generate_cached(model, prompt, 16, steps, block_length, **rule)
+        assert a == b and sa["forwards"] == sb["forwards"]
+
+
+def entropies(logits, temperature):
+    """-sum p log p of softmax(logits / T) (T = 1 at T = 0), MASK left out: the plain formula."""
+    logits = logits.double()[:, :MASK] / (temperature or 1.0)
+    p = torch.softmax(logits, -1)
+    return -(p * torch.log_softmax(logits, -1)).sum(-1)
+
+
+def longest_run(entropy, bound):
+    """The most tokens m of the ranked list with sum(H[:m]) - max(H[:m]) <= bound, by trying each m."""
+    fits = [m for m in range(1, len(entropy) + 1) if sum(entropy[:m]) - max(entropy[:m]) <= bound]
+    return max(fits) if fits else 1
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.3, 1.0, 1e9])
+@pytest.mark.parametrize("temperature, remasking", [(0.0, "low_confidence"), (1.0, "low_entropy"), (1.0, "low_confidence")])
+@torch.no_grad()
+def test_entropy_bound_commits_the_longest_run_the_bound_allows(peaked, bound, temperature, remasking):
+    """Every step commits >= 1 token, a set whose sum(H) - max(H) fits under the bound (unless it is
+    one token), and, where the ranking does not depend on the draw, exactly the longest such run."""
+    g = torch.Generator().manual_seed(3)
+    ids, stats, trace = run(peaked, gen_length=16, steps=16, block_length=8, entropy_bound=bound,
+                            temperature=temperature, remasking=remasking, generator=g)
+    sizes = []
+    for before, event in trace:
+        lo = len(PROMPT) + event["block"] * 8
+        logits = peaked(before[None], causal=False)[0, lo:lo + 8]
+        h = entropies(logits, temperature).tolist()
+        committed = [p - lo for p in event["committed"]]
+        assert len(committed) >= 1
+        sizes.append(len(committed))
+        chosen = [h[i] for i in committed]
+        assert len(chosen) == 1 or sum(chosen) - max(chosen) <= bound
+        masked = [i for i in range(8) if before[lo + i] == MASK]
+        if (temperature, remasking) == (1.0, "low_confidence"):
+            continue  # ranked by the sampled tokens' probabilities: a recomputation would need the draw
+        score = [-h[i] for i in masked] if remasking == "low_entropy" else \
+            [float(torch.softmax(logits[i, :MASK].double(), -1).max()) for i in masked]
+        ranked = [i for _, i in sorted(zip(score, masked), reverse=True)]
+        assert sorted(committed) == sorted(ranked[:longest_run([h[i] for i in ranked], bound)])
+    assert MASK not in ids and stats["forwards"] == len(trace)
+    if bound == 1e9:
+        assert stats["forwards"] == 2  # everything fits: one forward per block
+    if bound == 1.0:
+        assert 1 < max(sizes) < 8  # the bound binds: some steps commit several tokens, none a whole block
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_entropy_bound_zero_is_one_token_per_step(peaked, temperature):
+    for sampler in (generate, generate_cached):
+        outs = [sampler(peaked, PROMPT, 16, 16, 8, temperature, generator=torch.Generator().manual_seed(9), **rule)
+                for rule in ({}, {"entropy_bound": 0.0})]
+        assert outs[0][0] == outs[1][0] and outs[1][1]["forwards"] == 16
 
 
 class PositionEcho(torch.nn.Module):
@@ -162,6 +238,11 @@ def test_a_shifted_model_is_read_one_output_earlier(shift, sampler):
     (dict(remasking="best"), "remasking"),
     (dict(threshold=1.5), "threshold"),
     (dict(temperature=-1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf"), threshold=0.5), "temperature"),
+    (dict(entropy_bound=-0.1), "entropy bound"),
+    (dict(entropy_bound=float("nan")), "entropy bound"),
+    (dict(entropy_bound=0.1, threshold=0.9), "not both"),
     (dict(gen_length=64), "max new tokens"),
 ])
 def test_bad_arguments(model, kwargs, message):

@@ -255,3 +255,54 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
         train.main(argv(story_file, tmp_path / "z", "--regenerate", "2", kind="ar"))
     train.main(argv(story_file, tmp_path / "ar-draft", "--regenerate", "2", "--target", str(tmp_path / "target.pt"), kind="ar"))
     assert (tmp_path / "ar-draft" / "regenerated.u16").stat().st_size > 0
+
+
+def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story_file, tmp_path, monkeypatch):
+    common = ["--data", str(story_file), "--batch-size", "2", "--warmup", "1", "--eval-every", "2",
+              "--eval-batches", "1", "--ckpt-every", "2", "--seed", "3", "--device", "cpu"]
+    teacher = tmp_path / "teacher" / "ckpt.pt"  # context 48: one 32-token block after a prompt of up to 9
+    train.main(["--model", "mdlm", "--preset", "draft", "--context", "48", "--out", str(teacher.parent),
+                "--max-steps", "2", *common])
+    student = ["--model", "mdlm", "--distill", str(teacher), "--distill-stories", "4", "--max-steps", "4", *common]
+    train.main([*student, "--out", str(tmp_path / "full")])
+    ckpt, parent = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(teacher)
+    assert ckpt["kind"] == "mdlm" and ckpt["config"] == parent["config"] and ckpt["step"] == 4
+    assert ckpt["args"]["distill"] == str(teacher) and ckpt["args"]["distill_stories"] == 4
+    assert not torch.equal(ckpt["model"]["blocks.0.attn.wq.weight"], parent["model"]["blocks.0.attn.wq.weight"])
+    import numpy as np
+    stories = np.load(tmp_path / "full" / "trajectories.npy")
+    assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 2
+    assert all(torch.isfinite(w).all() for w in ckpt["model"].values())
+
+    real = train.distill_run
+
+    def dies_in_step_3(*args):  # no chance to save: the step-2 checkpoint is what is left
+        loss_fn, draw, val = real(*args)
+        calls = {"n": 0}
+
+        def wrapped(model, batch, generator):
+            calls["n"] += model.training
+            if calls["n"] == 3:
+                raise SystemExit("killed")
+            return loss_fn(model, batch, generator)
+        return wrapped, draw, val
+    monkeypatch.setattr(train, "distill_run", dies_in_step_3)
+    with pytest.raises(SystemExit):
+        train.main([*student, "--out", str(tmp_path / "run")])
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 2
+    monkeypatch.undo()
+    train.main(["--out", str(tmp_path / "run"), "--resume"])
+    assert_same_weights(final_weights(tmp_path / "run"), final_weights(tmp_path / "full"))
+
+    ar = tmp_path / "ar" / "ckpt.pt"
+    train.main(argv(story_file, ar.parent, "--max-steps", "1", kind="ar"))
+    for flags, message in (
+            (["--distill", str(ar)], "the teacher must be a diffusion LM"),
+            (["--model", "ar", "--distill", str(teacher)], "--model ar is not one"),
+            (["--model", "mdlm-moe", "--distill", str(teacher)], "pass --model mdlm to distil it"),
+            (["--distill", str(teacher), "--preset", "tiny"], "a student has its teacher's shape .* drop --preset"),
+            (["--distill", str(teacher), "--init", str(ar)], "does not fit the teacher"),
+            (["--certainty-weight", "1"], "tune --distill TEACHER_CKPT"),
+            (["--distill", str(teacher), "--certainty-weight", "-1"], "--certainty-weight must be a finite number")):
+        with pytest.raises(UserError, match=message):
+            train.main(["--model", "mdlm", *common, "--max-steps", "1", "--out", str(tmp_path / "bad"), *flags])

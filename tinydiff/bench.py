@@ -12,7 +12,10 @@ EOT, so every method does the same work) after one untimed warm-up prompt. Colum
                              split; exact for the AR model, the ELBO bound for the diffusion LM
 For the diffusion rows the "target" is the diffusion LM: one forward = one denoising step.
 `diffusion` commits one token per step (LLaDA, blocks of 32), `diffusion-threshold` every token
-at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache.
+at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache,
+`diffusion-entropy` that with an entropy bound (EB-Sampler, --entropy-bound nats).
+`diffusion-distilled-t<threshold>` and `diffusion-distilled-entropy` decode the same way with the
+--distilled model (train.py --distill): the threshold in the name, or the entropy bound.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
 `--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/report.py.
@@ -101,7 +104,7 @@ def measure(method, models, prompts, args) -> dict:
 def load_models(args) -> dict:
     models = {}
     for name, path, kind, size in (("target", args.ckpt, "ar", "tiny"), ("draft", args.draft, "ar", "draft"),
-                                   ("mdlm", args.mdlm, "mdlm", "tiny")):
+                                   ("mdlm", args.mdlm, "mdlm", "tiny"), ("distilled", args.distilled, "mdlm", "tiny")):
         if path:
             models[name], _ = load_model(path, args.device, kinds=(kind,))
         else:
@@ -130,7 +133,7 @@ def load_models(args) -> dict:
 @torch.no_grad()
 def heldout_nll(models, args, tokenizer, wanted) -> dict:
     """(nats/token, bits/byte) on 16 windows of --data's validation split, for each `wanted` model
-    ("target", "mdlm", "moe-token", "moe-block"): exact for the AR model, the ELBO bound (4 noise
+    ("target", "mdlm", "distilled", "moe-token", "moe-block"): exact for the AR model, the ELBO bound (4 noise
     draws; block diffusion's for a model trained with --noise-block) for the diffusion LMs, the MoE
     one under each routing."""
     _, val_path = prepare_tokens(args.data)
@@ -160,6 +163,9 @@ def parse_args(argv=None):
     p.add_argument("--eagle", help="EAGLE-3 head checkpoint trained for --ckpt (default: an untrained one)")
     p.add_argument("--moe", help="mixture-of-experts diffusion LM checkpoint (default: an untrained tiny one)")
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
+    p.add_argument("--distilled", help="diffusion LM distilled for parallel decoding, train.py --distill "
+                   "(default: an untrained tiny model)")
+    p.add_argument("--entropy-bound", type=float, default=0.5, help="nats, for the *-entropy rows (EB-Sampler)")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
@@ -185,6 +191,8 @@ def main(argv=None):
     if args.prompts < 1 or (args.prompts > len(PROMPTS) and not args.report):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --report, which draws "
                         f"held-out story openings), got {args.prompts}")
+    if not 0 <= args.entropy_bound < float("inf"):
+        raise UserError(f"--entropy-bound must be a finite number of nats >= 0, got {args.entropy_bound}")
     if args.report:  # imported here: tinydiff.report builds on this module
         from tinydiff.report import write_report
         return write_report(args, methods)

@@ -4,7 +4,8 @@ A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
 (`accepted`), the drafts `proposed` and, for chains, the rounds that `rejected` a draft. `models`
 holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFlash drafter),
-"eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM) and "moe" (the mixture-of-experts diffusion LM). No
+"eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM), "distilled" (a diffusion LM distilled for
+parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 import torch
@@ -32,6 +33,11 @@ def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
     ids, stats = sampler(models["mdlm"], prompt, n, n, min(32, n), args.temperature,
                          generator=generator, **options)
     return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
+
+
+def run_distilled(models, prompt, args, generator, **rule):
+    """The distilled diffusion LM (train.py --distill) on the cached block sampler it was distilled for."""
+    return run_diffusion({"mdlm": models["distilled"]}, prompt, args, generator, sampler=generate_cached, **rule)
 
 
 def run_spec(models, prompt, args, generator, k):
@@ -122,9 +128,13 @@ METHODS = {
     "diffusion": run_diffusion,
     "diffusion-threshold": lambda *a: run_diffusion(*a, threshold=0.9),
     "diffusion-cached": lambda *a: run_diffusion(*a, sampler=generate_cached),
+    "diffusion-entropy": lambda *a: run_diffusion(*a, sampler=generate_cached, entropy_bound=a[2].entropy_bound),
+    **{f"diffusion-distilled-t{t:g}": (lambda *a, t=t: run_distilled(*a, threshold=t)) for t in (0.9, 0.7, 0.5)},
+    "diffusion-distilled-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound),
     "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion", "dmoe"))},
+        **{name: "distilled" for name in METHODS if name.startswith("diffusion-distilled")},
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}

@@ -1,69 +1,43 @@
 """`python -m tinydiff.quality`: how good are the samples? Generative perplexity and distinct-2.
 
     python -m tinydiff.quality --judge out/ar-13m/ckpt.pt --mdlm out/mdlm-13m/ckpt.pt --samples 64
+    python -m tinydiff.quality --judge J --mdlm TEACHER --student STUDENT --ar AR --draft DRAFT --curve \
+        --plot docs/plots/parallel_curve.png
 
 Each sampler writes `--samples` stories from the same start (EOT, then nothing: unconditional)
-with seeds 0..N-1. A story ends at its first EOT (kept, so stopping is judged too).
-  gen_ppl     exp(mean NLL per token) of the samples under an AR "judge" model: lower = more
-              like the judge's idea of TinyStories. Repeating one phrase also scores low, so
-  distinct_2  unique bigrams / all bigrams over the samples sits beside it (1.0 = no repeats).
-The perplexity comes with a 95% bootstrap interval over the samples: at 64 samples of a small
-model it spans about -7..+9%, so telling two models 5% apart takes several hundred samples.
-Leaves out: MAUVE, human judgement, an external judge model (ours is the project's AR model).
+with seeds 0..N-1, scored by tinydiff/judge.py (generative perplexity under the --judge AR model,
+with a 95% bootstrap interval, and distinct-2). `--student` is a diffusion LM distilled for
+parallel decoding (train.py --distill); its samplers and the `diffusion-cached`/`-entropy` ones
+run the cached block sampler, the schedule distillation trains for.
+`--curve` (tinydiff/curve.py) instead measures tokens per forward against quality for the
+diffusion LMs at one token per step, each --thresholds value and each --entropy-bounds value, beside
+AR decoding and, with --draft, AR + speculative decoding; then AUP per curve and, with --data,
+each setting's agreement with the teacher's greedy one-token-per-step text.
 """
 import argparse
-import math
+import json
 import sys
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
+from tinydiff.curve import agreement, curve_aups, curve_rows, plot_curve
+from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
+from tinydiff.judge import distinct_n, perplexity_interval, sample_and_judge, sample_nlls, story  # noqa: F401
+from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
 
 
-def story(ids: list[int]) -> list[int]:
-    """The ids up to and including the first EOT."""
-    return ids[:ids.index(EOT) + 1] if EOT in ids else ids
-
-
-@torch.no_grad()
-def sample_nlls(judge, samples: list[list[int]], prefix=(EOT,)) -> tuple[list[float], list[int]]:
-    """The judge's summed NLL of each non-empty sample, scored after `prefix`, and its token count."""
-    nlls, counts = [], []
-    device = judge.embed.weight.device
-    for ids in samples:
-        if not ids:
-            continue
-        seq = torch.tensor([list(prefix) + ids], device=device)  # (1, P + n)
-        logits = judge(seq[:, :-1], causal=True)[0, len(prefix) - 1:]  # (n, V): predicts each sample token
-        nlls.append(F.cross_entropy(logits.float(), seq[0, len(prefix):], reduction="sum").item())
-        counts.append(len(ids))
-    if not counts:
-        raise UserError("no sample has any tokens to score")
-    return nlls, counts
-
-
-def perplexity_interval(nlls: list[float], counts: list[int], level: float = 0.95, draws: int = 2000,
-                        seed: int = 0) -> tuple[float, float]:
-    """A percentile-bootstrap interval for exp(sum NLL / sum tokens), resampling whole samples: the
-    tokens of one sample are not independent, the samples are."""
-    nll, n = torch.tensor(nlls, dtype=torch.float64), torch.tensor(counts, dtype=torch.float64)
-    picks = torch.randint(len(nlls), (draws, len(nlls)), generator=torch.Generator().manual_seed(seed))
-    ppl = (nll[picks].sum(1) / n[picks].sum(1)).exp()  # (draws,)
-    lo, hi = torch.quantile(ppl, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return lo.item(), hi.item()
-
-
-def distinct_n(samples: list[list[int]], n: int = 2) -> float:
-    """Unique n-grams / all n-grams, pooled over the samples (0 when there are none)."""
-    grams = [tuple(ids[i:i + n]) for ids in samples for i in range(len(ids) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
+def cached(key: str, **rule):
+    """A sampler entry: the cached block sampler on models[key], with a commit rule read from args."""
+    def sample(m, p, a, g):
+        options = {name: getattr(a, flag) for name, flag in rule.items()}
+        return generate_cached(m, p, a.gen_length, a.gen_length, a.block_length, a.temperature, generator=g, **options)
+    return key, sample
 
 
 SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, generator) -> (ids, stats))
@@ -74,71 +48,140 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
                                                                 a.temperature, threshold=a.threshold, generator=g)),
     "diffusion-revise": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
                                                              a.temperature, revise=a.revise, generator=g)),
-    "diffusion-cached": ("mdlm", lambda m, p, a, g: generate_cached(m, p, a.gen_length, a.gen_length,
-                                                                    a.block_length, a.temperature, generator=g)),
+    "diffusion-cached": cached("mdlm"),
+    "diffusion-entropy": cached("mdlm", entropy_bound="entropy_bound"),
+    "distilled": cached("student"),
+    "distilled-threshold": cached("student", threshold="threshold"),
+    "distilled-entropy": cached("student", entropy_bound="entropy_bound"),
 }
+
+
+def number_list(text: str) -> list[float]:
+    """'0.9,0.5' -> [0.9, 0.5]: argparse reports a ValueError here as a one-line usage error."""
+    return [float(v) for v in text.split(",") if v.strip()]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Sample quality of every sampler: generative perplexity and distinct-2.")
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
+    p.add_argument("--student", help="diffusion LM distilled for parallel decoding (train.py --distill)")
     p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
     p.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default: its own)")
     p.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default: its own)")
     p.add_argument("--route-mask-vote", type=float, help="block routing: a MASK token's vote, against a "
                    "committed token's 1 (default: its own)")
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
+    p.add_argument("--draft", help="with --curve and --ar: an AR draft for the speculative point")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round for the speculative point")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--threshold", type=float, default=0.9, help="for diffusion-threshold")
+    p.add_argument("--threshold", type=float, default=0.9, help="for the *-threshold samplers")
+    p.add_argument("--entropy-bound", type=float, default=0.1, help="nats, for the *-entropy samplers: commit the "
+                   "most confident run with sum(H) - max(H) under it (EB-Sampler)")
     p.add_argument("--revise", type=int, default=4, help="self-correction steps per block, for diffusion-revise")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
+    curve = p.add_argument_group("--curve: tokens per forward against quality")
+    curve.add_argument("--curve", action="store_true", help="measure the curve instead of the --samplers table")
+    curve.add_argument("--thresholds", type=number_list, default=[0.9, 0.7, 0.5, 0.3], help="comma list")
+    curve.add_argument("--entropy-bounds", type=number_list, default=[0.1, 0.5, 1.0, 2.0], help="comma list, nats")
+    curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
+    curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
+    curve.add_argument("--json", help="write the curve's rows as JSON here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def load_models(args) -> tuple[dict, str]:
+    """The models to sample (and the routing note of a MoE --mdlm)."""
+    models, routing = {}, ""
+    for key in ("mdlm", "student"):
+        if getattr(args, key):
+            models[key], ckpt = load_model(getattr(args, key), args.device, kinds=("mdlm", "mdlm-moe"))
+            if key == "mdlm":
+                config = routing_from_flags(models[key], ckpt["kind"], args.mdlm, args.routing, args.route_threshold,
+                                            args.route_guard, args.route_mask_vote)
+                if config is not None:
+                    routing = f", {config.routing} expert routing"
+                    if config.routing == "block":
+                        routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
+                                    f"mask vote {config.route_mask_vote:g})")
+    for key in ("ar", "draft"):
+        if getattr(args, key):
+            models[key], _ = load_model(getattr(args, key), args.device, kinds=("ar",))
+    return models, routing
+
+
+def check_args(args):
     if args.samples < 1:
         raise UserError(f"--samples must be >= 1, got {args.samples}")
+    if not (args.mdlm or args.ar or args.student):
+        raise UserError("nothing to sample from; pass --mdlm, --student and/or --ar checkpoints")
+    if args.draft and not (args.curve and args.ar):
+        raise UserError("--draft adds the speculative point of --curve: pass --curve and --ar (its target)")
+    bounds = [args.entropy_bound, *(args.entropy_bounds if args.curve else [])]
+    if not all(0 <= e < float("inf") for e in bounds):
+        raise UserError(f"entropy bounds must be finite numbers of nats >= 0, got {bounds}")
+    if not all(0 < t <= 1 for t in [args.threshold, *(args.thresholds if args.curve else [])]):
+        raise UserError("thresholds must lie in (0, 1]")
+
+
+def run_curve(args, models, judge):
+    """--curve: the table, AUPs, agreement, plot and JSON."""
+    if not ({"mdlm", "student"} & models.keys()):
+        raise UserError("--curve compares diffusion LMs: pass --mdlm (the teacher) and/or --student")
+    rows, reference, y_max = curve_rows(models, judge, args)
+    if args.data:
+        _, val_path = prepare_tokens(args.data)
+        prompts = [[EOT] + o for o in story_openings(load_tokens(val_path), 32, 8, seed=0)]
+        teacher = models.get("mdlm", models.get("student"))
+        for r in rows:
+            if r["model"] in ("teacher", "student"):
+                model = models["mdlm" if r["model"] == "teacher" else "student"]
+                r["agreement_t0"] = agreement(teacher, model, prompts, args.gen_length, args.block_length, r["rule"])
+    print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, blocks of "
+          f"{args.block_length}, judge {args.judge}; y = 100 x min(1, ppl {reference['gen_ppl']:.2f} / ppl, "
+          f"distinct-2 / {reference['distinct_2']:.3f}) against {reference['model']}, {reference['setting']}")
+    print(f"{'model':<18}{'setting':<22}{'tok/fwd':>8}{'gen ppl':>9}{'95% interval':>18}{'distinct-2':>11}{'y':>7}"
+          f"{'agree T=0':>10}")
+    for r in rows:
+        agree = f"{r['agreement_t0']:>10.3f}" if "agreement_t0" in r else f"{'-':>10}"
+        interval = "[{:.2f}, {:.2f}]".format(*r["gen_ppl_95"])
+        print(f"{r['model']:<18}{r['setting']:<22}{1 / r['forwards_per_token']:>8.2f}{r['gen_ppl']:>9.2f}"
+              f"{interval:>18}{r['distinct_2']:>11.3f}{r['y']:>7.1f}{agree}")
+    aups = curve_aups(rows, y_max)
+    print("AUP (d3LLM; y_max {:.1f}): ".format(y_max) + " | ".join(f"{k} {v:.1f}" for k, v in aups.items()))
+    if args.plot:
+        plot_curve(rows, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [{k: v for k, v in r.items() if k != "stories"} for r in rows], "aup": aups,
+                       "y_max": y_max, "judge": args.judge, "samples": args.samples}, f, indent=2)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
     wanted = [name.strip() for name in args.samplers.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in SAMPLERS]
     if unknown or not wanted:
         raise UserError(f"unknown sampler(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SAMPLERS)}")
-    if not (args.mdlm or args.ar):
-        raise UserError("nothing to sample from; pass --mdlm and/or --ar checkpoints")
     judge, _ = load_model(args.judge, args.device, kinds=("ar",))
-    models, routing = {}, ""
-    if args.mdlm:
-        models["mdlm"], ckpt = load_model(args.mdlm, args.device, kinds=("mdlm", "mdlm-moe"))
-        config = routing_from_flags(models["mdlm"], ckpt["kind"], args.mdlm, args.routing, args.route_threshold,
-                                    args.route_guard, args.route_mask_vote)
-        if config is not None:
-            routing = f", {config.routing} expert routing"
-            if config.routing == "block":
-                routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
-                            f"mask vote {config.route_mask_vote:g})")
-    if args.ar:
-        models["ar"], _ = load_model(args.ar, args.device, kinds=("ar",))
+    models, routing = load_models(args)
+    if args.curve:
+        return run_curve(args, models, judge)
     tokenizer = Tokenizer()
     rows = []
     for name in wanted:
         key, sample = SAMPLERS[name]
         if key not in models:
             continue
-        samples, forwards, tokens = [], 0, 0
-        for seed in tqdm(range(args.samples), desc=name, file=sys.stderr):
-            ids, stats = sample(models[key], [EOT], args, torch.Generator(args.device).manual_seed(seed))
-            samples.append(story(ids))
-            forwards, tokens = forwards + stats["forwards"], tokens + len(ids)
-        nlls, counts = sample_nlls(judge, samples)
-        rows.append({"sampler": name, "forwards_per_token": forwards / tokens,
-                     "gen_ppl": math.exp(sum(nlls) / sum(counts)), "gen_ppl_95": perplexity_interval(nlls, counts),
-                     "distinct_2": distinct_n(samples),
-                     "example": tokenizer.decode(samples[0]).replace("\n", " ")})
+        judged = sample_and_judge(lambda p, g: sample(models[key], p, args, g), judge, args.samples, args.device, name)
+        rows.append({"sampler": name, **judged, "example": tokenizer.decode(judged["stories"][0]).replace("\n", " ")})
     print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, judge {args.judge}{routing}")
     print(f"{'sampler':<22}{'fwd/token':>10}{'gen ppl':>10}{'95% interval':>18}{'distinct-2':>12}")
     for r in rows:

@@ -327,8 +327,7 @@ def measure_all(args, methods: list[str], plans: dict, bar):
     for role, (flag, _) in ROLES.items():
         setattr(args, flag, plans[role]["path"])
     models = load_models(args)
-    _, val_path = prepare_tokens(args.data)
-    openings = regenerate.story_openings(load_tokens(val_path), args.prompts, OPENING, args.seed)
+    openings = regenerate.story_openings(load_tokens(prepare_tokens(args.data)[1]), args.prompts, OPENING, args.seed)
     prompts = [[EOT] + opening for opening in openings]
     too_big = [m for m in methods if m.startswith("dflash-b")
                and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
@@ -367,6 +366,7 @@ def write_report(args, methods: list[str]) -> dict:
     if not 1 <= args.new_tokens <= room:
         raise UserError(f"--new-tokens must lie in [1, {room}] at preset {args.report_preset}, got {args.new_tokens}")
     plans = plan_models(args, plan, Path("out") / f"report-{args.report_preset}")
+    methods = [m for m in methods if USES.get(m) != "distilled" or args.distilled]  # no student is trained here
     total = sum(job["todo"] for job in plans.values()) + regenerations(plans, plan) + len(methods)
     with tqdm(total=total, desc="report", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
         train_missing(plans, bar)

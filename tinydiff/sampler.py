@@ -11,6 +11,12 @@
 Variants, each off by default:
   - `threshold` (Fast-dLLM parallel decoding): commit every masked position of the block whose
     confidence >= threshold, and always at least the most confident one;
+  - `entropy_bound` (EB-Sampler, Ben-Hamu et al. 2025; DiffusionGemma's `EntropyBoundSampler`):
+    rank the block's masked positions as the remasking rule does, then commit the longest prefix U
+    of that ranking with sum(H_U) - max(H_U) <= bound, H in nats (always at least one). The most
+    uncertain token of U is free: KL(joint || product of marginals) <= sum(H) - max(H). Bound 0 is
+    one token per step. `remasking="low_entropy"` ranks by entropy, DiffusionGemma's order;
+    the default ranks by confidence, so that bound 0 is exactly LLaDA's one-token-per-step sampler;
   - `revise` (self-correction, DiffusionGemma-style): after a block is full, `revise` extra steps
     each re-mask the block's lowest-confidence token and predict it again with the finished block
     in view;
@@ -32,7 +38,7 @@ from tinydiff.diffusion import subs_logits
 from tinydiff.errors import UserError
 from tinydiff.tokenizer import MASK
 
-REMASKING = ("low_confidence", "random")
+REMASKING = ("low_confidence", "random", "low_entropy")
 
 
 def commit_schedule(masks: int, steps: int) -> list[int]:
@@ -44,8 +50,10 @@ def commit_schedule(masks: int, steps: int) -> list[int]:
 def propose(logits, temperature: float, remasking: str, generator=None):
     """Candidates and confidences for logits (N, V): one Gumbel-max draw per position.
 
-    argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, without
-    overflowing exp. Noise and probabilities in float64: float32 Gumbel noise has visible ties.
+    argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, computed as
+    argmax(softmax(logits / T) / -log u): one logarithm per id instead of two, and at T = 1 the
+    softmax is the confidence's too. Noise and probabilities in float64: float32 Gumbel noise has
+    visible ties.
     Where Triton runs (and no gradients), low_confidence is one fused pass over the vocabulary
     (tinydiff/kernels/sampler_step.py) on the same uniforms: the same tokens, and the (N, V)
     float64 logits, scores and probabilities are never written.
@@ -57,38 +65,62 @@ def propose(logits, temperature: float, remasking: str, generator=None):
             u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
         return sampler_step(logits, temperature, u)
     logits = subs_logits(logits).double()  # (N, V)
+    probs = None
     if temperature > 0:
         u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
-        candidates = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+        tempered = torch.softmax(logits / temperature, -1)  # exp(logits / T - max) / sum: no overflow
+        candidates = (tempered / -torch.log(u)).argmax(-1)
+        probs = tempered if temperature == 1 else None
     else:
         candidates = logits.argmax(-1)  # (N,)
     if remasking == "low_confidence":
-        confidence = torch.softmax(logits, -1).gather(-1, candidates[:, None]).squeeze(-1)
+        probs = torch.softmax(logits, -1) if probs is None else probs
+        confidence = probs.gather(-1, candidates[:, None]).squeeze(-1)
+    elif remasking == "low_entropy":
+        confidence = -position_entropy(logits, temperature)
     else:
         confidence = torch.rand(candidates.shape, generator=generator, device=logits.device, dtype=torch.float64)
     return candidates, confidence
 
 
+def position_entropy(logits, temperature: float):
+    """Entropy in nats (N,) of each position's sampling distribution softmax(logits / T), float64;
+    at T = 0 (argmax, a point mass) of the model's own softmax(logits)."""
+    probs = torch.softmax(subs_logits(logits).double() / (temperature or 1.0), -1)  # (N, V)
+    return torch.special.entr(probs).sum(-1)  # entr(0) = 0: the MASK column adds nothing
+
+
+def entropy_bound_count(entropy, bound: float) -> int:
+    """Length of the longest prefix U of `entropy` (N,), in commit order, with sum(H_U) - max(H_U)
+    <= bound; at least 1. sum - max never falls as U grows, so the prefix is a count."""
+    excess = entropy.cumsum(0) - entropy.cummax(0).values  # (N,)
+    return max(1, int((excess <= bound).sum()))
+
+
 def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, temperature: float,
-           remasking: str, generator, confidences):
+           remasking: str, generator, confidences, entropy_bound: float | None = None):
     """One step on the block canvas[lo:lo+N] given its logits (N, V): commit tokens in place.
 
-    Commits the `count` most confident masked positions, or with a threshold all masked positions
-    at or above it (at least one). Records each committed position's confidence; returns the
-    committed positions (absolute indices).
+    Commits the `count` most confident masked positions; with a threshold, all masked positions at
+    or above it (at least one); with an entropy bound, the longest most-confident run whose
+    entropies fit under it (at least one). Records each committed position's confidence; returns
+    the committed positions (absolute indices).
     """
-    candidates, confidence = propose(logits, temperature, remasking, generator)
-    masked = canvas[lo:lo + len(logits)] == MASK
-    confidence = confidence.masked_fill(~masked, float("-inf"))  # committed tokens never move
+    masked = (canvas[lo:lo + len(logits)] == MASK).nonzero()[:, 0]  # (n,): committed tokens never move
+    candidates, confidence = propose(logits[masked], temperature, remasking, generator)  # (n,) each
+    ranked = torch.argsort(confidence, descending=True, stable=True)  # most confident first
     if threshold is not None:
         count = max(1, int((confidence >= threshold).sum()))
-    chosen = torch.topk(confidence, min(count, int(masked.sum()))).indices
-    canvas[lo + chosen] = candidates[chosen]
-    confidences[lo + chosen] = confidence[chosen]
-    return (lo + chosen).tolist()
+    elif entropy_bound is not None:
+        count = entropy_bound_count(position_entropy(logits[masked[ranked]], temperature), entropy_bound)
+    chosen = ranked[:count]
+    canvas[lo + masked[chosen]] = candidates[chosen]
+    confidences[lo + masked[chosen]] = confidence[chosen]
+    return (lo + masked[chosen]).tolist()
 
 
-def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold):
+def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold,
+               entropy_bound=None):
     """Validate sampler arguments; return (number of blocks, steps per block)."""
     check_prompt(prompt, model.config.context, gen_length)
     if block_length < 1 or gen_length % block_length:
@@ -96,12 +128,17 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
     blocks = gen_length // block_length
     if steps < blocks or steps % blocks:
         raise UserError(f"steps {steps} must be a positive multiple of the number of blocks ({blocks})")
-    if temperature < 0:
-        raise UserError(f"temperature must be >= 0 (0 = argmax), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN fails too
+        raise UserError(f"temperature must be a finite number >= 0 (0 = argmax), got {temperature}")
     if remasking not in REMASKING:
         raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
     if threshold is not None and not 0 < threshold <= 1:
         raise UserError(f"threshold must lie in (0, 1], got {threshold}")
+    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
+        raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
+                        f"got {entropy_bound}")
+    if threshold is not None and entropy_bound is not None:
+        raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")
     return blocks, steps // blocks
 
 
@@ -132,10 +169,10 @@ class Trace:
 @torch.no_grad()
 def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
              remasking="low_confidence", threshold=None, revise=0, block_causal=False,
-             generator=None, callback=None):
+             generator=None, callback=None, entropy_bound=None):
     """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, stats)."""
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
-                                     remasking, threshold)
+                                     remasking, threshold, entropy_bound)
     if revise < 0:
         raise UserError(f"revise must be >= 0, got {revise}")
     device = model.embed.weight.device
@@ -159,9 +196,9 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
         schedule = commit_schedule(block_length, block_steps)
         step = 0
         while (canvas[lo:lo + block_length] == MASK).any():
-            count = schedule[step] if step < block_steps else None  # None only with a threshold
+            count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
             committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
-                               generator, confidences)
+                               generator, confidences, entropy_bound)
             trace.step(canvas, b, committed)
             step += 1
         for _ in range(revise):
@@ -175,7 +212,8 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
 
 @torch.no_grad()
 def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
-                    remasking="low_confidence", threshold=None, generator=None, callback=None):
+                    remasking="low_confidence", threshold=None, generator=None, callback=None,
+                    entropy_bound=None):
     """Block-causal semi-AR sampling with a KV cache of the finished prefix; (new ids, stats).
 
     The cache holds the prompt and the finished blocks. A block's keys/values are computed once,
@@ -183,10 +221,12 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
     over [finished block, next block], block-causal), after which the cache keeps the finished
     block's rows and drops the rest. Every other step runs the current block alone, or for a
     shifted model the block and the finished token before it, whose output predicts the block's
-    first position (that one token stays out of the cache and is recomputed each step).
+    first position (that one token stays out of the cache and is recomputed each step). Each row
+    sees the blocks up to its own (the prompt is one block), as in generate(block_causal=True):
+    that finished token sees the prefix only, never the block it predicts the start of.
     """
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
-                                     remasking, threshold)
+                                     remasking, threshold, entropy_bound)
     device = model.embed.weight.device
     P = len(prompt)
     canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
@@ -197,8 +237,9 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
 
     def block_logits(lo):
         trace.forwards += 1
-        start = cache.length  # finished positions not yet cached (block 0 of the mask), then the block
-        block_ids = torch.cat([torch.zeros(lo - start), torch.ones(block_length)]).to(device)
+        start = cache.length  # finished positions not yet cached, then the block
+        position = torch.arange(start, lo + block_length, device=device)
+        block_ids = (position - P).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
         mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=device),
                           block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
         logits = model(canvas[None, start:lo + block_length], mask=mask, cache=cache)[0]
@@ -213,7 +254,7 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
         while (canvas[lo:lo + block_length] == MASK).any():
             count = schedule[step] if step < block_steps else None
             committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
-                               generator, confidences)
+                               generator, confidences, entropy_bound)
             trace.step(canvas, b, committed)
             step += 1
     return canvas[P:].tolist(), trace.stats(gen_length, device)

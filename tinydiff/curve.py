@@ -1,0 +1,144 @@
+"""The quality-vs-parallelism curve: tokens per forward against sample quality, and d3LLM's AUP.
+
+For a diffusion LM and its distilled student (tinydiff/distill.py) the cached block sampler runs
+one token per step, then at several confidence thresholds (Fast-dLLM) and entropy bounds
+(EB-Sampler). Each point is N unconditional samples, judged as every quality number here is
+(tinydiff/judge.py: generative perplexity with a 95% bootstrap interval, distinct-2). Beside them
+on the same axes: AR decoding (one token per forward) and AR + speculative decoding, whose x is
+tau, the tokens per *target* forward (draft forwards are not counted), and whose samples follow
+the AR model's distribution exactly (lossless), so its quality differs from AR's by noise only.
+One number per curve, d3LLM's AUP (accuracy under parallelism), over points (rho, y), rho =
+tokens per forward ascending:
+    keep points with y_i >= y_1 - 5;  W(y) = min(exp(-3 (1 - y / y_max)), 1)
+    AUP = rho_1 y_1 + sum_{i>=2} (rho_i - rho_{i-1}) (y_i W(y_i) + y_{i-1} W(y_{i-1})) / 2
+Text has no accuracy, so y stands in as 100 x the worse of (reference ppl / ppl) and (distinct-2 /
+reference distinct-2), capped at 100; the reference is the first diffusion LM's one-token-per-step
+point, and y_max the best y of any point. Both ratios count: repeating a phrase lowers perplexity.
+`agreement` is a noise-free companion: at temperature 0, the share of positions where a setting
+writes the reference's one-token-per-step greedy token, on held-out story openings.
+Leaves out: AUP on task accuracy (we have no tasks), wall-clock axes (the bench measures those).
+"""
+import math
+
+import torch
+
+from tinydiff.ar import ar_generate
+from tinydiff.judge import sample_and_judge
+from tinydiff.sampler import generate_cached
+from tinydiff.speculative import speculative_generate
+
+
+def aup(points, y_max: float) -> float:
+    """d3LLM's accuracy under parallelism of points [(rho, y), ...] (y in percent)."""
+    points = sorted(points)
+    kept = [p for p in points if p[1] >= points[0][1] - 5]
+
+    def weighted(y):
+        return y * min(math.exp(-3 * (1 - y / y_max)), 1.0)
+
+    total = kept[0][0] * kept[0][1]
+    for (rho0, y0), (rho1, y1) in zip(kept, kept[1:]):
+        total += (rho1 - rho0) * (weighted(y1) + weighted(y0)) / 2
+    return total
+
+
+def quality_y(row: dict, reference: dict) -> float:
+    """100 x min(1, ppl_ref / ppl, distinct2 / distinct2_ref): the curve's stand-in for accuracy."""
+    return 100 * min(1.0, reference["gen_ppl"] / row["gen_ppl"], row["distinct_2"] / reference["distinct_2"])
+
+
+def diffusion_settings(thresholds, bounds) -> list[tuple[str, dict]]:
+    """(label, generate_cached keywords) of each point of a diffusion LM's curve."""
+    return ([("one token per step", {})] + [(f"threshold {t:g}", {"threshold": t}) for t in thresholds]
+            + [(f"entropy bound {e:g}", {"entropy_bound": e}) for e in bounds])
+
+
+def curve_rows(models: dict, judge, args):
+    """(rows, reference row, y_max): every point of the curve. models holds "mdlm" and/or "student"
+    (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points);
+    args: samples, gen_length, block_length, temperature, thresholds, entropy_bounds, k, device."""
+    n, block = args.gen_length, args.block_length
+    plans = []
+    for key, name in (("mdlm", "teacher"), ("student", "student")):
+        if key in models:
+            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds):
+                plans.append((name, label, rule, lambda p, g, m=models[key], r=rule: generate_cached(
+                    m, p, n, n, block, args.temperature, generator=g, **r)))
+    if "ar" in models:
+        plans.append(("ar", "one token per forward", {}, lambda p, g: ar_generate(
+            models["ar"], p, n, args.temperature, generator=g)))
+        if "draft" in models:
+            plans.append(("ar + speculative", f"draft k = {args.k}", {}, lambda p, g: speculative_generate(
+                models["ar"], models["draft"], p, n, args.k, args.temperature, generator=g)))
+    rows = []
+    for name, label, rule, sample in plans:
+        judged = sample_and_judge(sample, judge, args.samples, args.device, desc=f"{name}, {label}")
+        rows.append({"model": name, "setting": label, "rule": rule, **judged})
+    reference = next(r for r in rows if r["model"] in ("teacher", "student", "ar"))
+    y_max = max(quality_y(r, reference) for r in rows)
+    for r in rows:
+        r["y"] = quality_y(r, reference)
+    return rows, reference, y_max
+
+
+def curve_aups(rows, y_max: float) -> dict:
+    """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, and with
+    its entropy-bound points; AR alone; AR with its speculative point."""
+    out = {}
+    for model in ("teacher", "student"):
+        base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]
+        for family in ("threshold", "entropy bound"):
+            points = base + [r for r in rows if r["model"] == model and r["setting"].startswith(family)]
+            if len(points) > 1:
+                out[f"{model}, {family}"] = aup([(r["forwards_per_token"] ** -1, r["y"]) for r in points], y_max)
+    ar = [r for r in rows if r["model"] == "ar"]
+    if ar:
+        out["ar"] = aup([(1 / ar[0]["forwards_per_token"], ar[0]["y"])], y_max)
+        spec = [r for r in rows if r["model"] == "ar + speculative"]
+        if spec:
+            out["ar + speculative"] = aup([(1 / r["forwards_per_token"], r["y"]) for r in ar + spec], y_max)
+    return out
+
+
+@torch.no_grad()
+def agreement(reference_model, model, prompts, gen_length: int, block_length: int, rule: dict) -> float:
+    """At temperature 0: the share of new positions where `model` under `rule` writes what
+    `reference_model` writes one token per step, over the prompts (cached sampler, both)."""
+    same = total = 0
+    for prompt in prompts:
+        want, _ = generate_cached(reference_model, prompt, gen_length, gen_length, block_length)
+        got, _ = generate_cached(model, prompt, gen_length, gen_length, block_length, **rule)
+        same, total = same + sum(a == b for a, b in zip(want, got)), total + len(want)
+    return same / total
+
+
+def plot_curve(rows, path):
+    """Tokens per forward against generative perplexity (95% interval) and against distinct-2."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    families = {}
+    for r in rows:
+        family = f"{r['model']}, {r['setting'].split(' ')[0]}" if r["model"] in ("teacher", "student") else r["model"]
+        families.setdefault(family, []).append(r)
+    for r in rows:  # the one-token-per-step point starts both of its model's lines
+        if r["setting"] == "one token per step":
+            for family in (f"{r['model']}, threshold", f"{r['model']}, entropy"):
+                families.setdefault(family, []).insert(0, r)
+    for family, points in families.items():
+        if family.endswith(", one"):
+            continue
+        points = sorted(points, key=lambda r: r["forwards_per_token"], reverse=True)
+        x = [1 / r["forwards_per_token"] for r in points]
+        y = [r["gen_ppl"] for r in points]
+        err = [[r["gen_ppl"] - r["gen_ppl_95"][0] for r in points], [r["gen_ppl_95"][1] - r["gen_ppl"] for r in points]]
+        left.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family)
+        right.plot(x, [r["distinct_2"] for r in points], marker="o", label=family)
+    left.set(xlabel="tokens per forward (target forwards for speculative decoding)", ylabel="generative perplexity",
+             xscale="log", yscale="log", title="quality against parallelism (95% bootstrap intervals)")
+    right.set(xlabel="tokens per forward", ylabel="distinct-2", xscale="log", title="diversity")
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
