@@ -47,7 +47,7 @@ RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
                 "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block",
-                "distill", "distill_stories", "certainty_weight", "distill_loss")
+                "distill", "distill_stories", "certainty_weight", "distill_loss", "teacher_temperature")
 STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
 
 
@@ -96,6 +96,8 @@ def parse_args(argv=None):
     distill.add_argument("--distill-stories", type=int, help="stories the teacher writes (default 1000)")
     distill.add_argument("--certainty-weight", type=float, help="beta of dParallel's certainty term (default 2; "
                          "0 = plain masked cross-entropy)")
+    distill.add_argument("--teacher-temperature", type=float, help="the teacher writes at this temperature (default 1, "
+                         "the quality tool's; 0: greedy, dParallel's)")
     distill.add_argument("--distill-loss", choices=LOSSES, help="certainty (dParallel, default) or tad (far "
                          "positions learn the teacher's distribution)")
     moe = p.add_argument_group("mdlm-moe")
@@ -118,7 +120,7 @@ def defaults(args, device: str) -> dict:
                 "route_mask_vote": 1.0, "target": None, "block_size": 16, "regenerate": None,
                 "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
                 "experts": None, "top_k": None, "noise_block": None, "distill": None, "distill_stories": None,
-                "certainty_weight": None, "distill_loss": None}  # None: distill.DistillConfig's default
+                "certainty_weight": None, "distill_loss": None, "teacher_temperature": None}  # None: DistillConfig's
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -129,8 +131,9 @@ def defaults(args, device: str) -> dict:
     given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
-    if not run["distill"] and any(run[key] is not None for key in ("distill_stories", "certainty_weight", "distill_loss")):
-        raise UserError("--distill-stories, --certainty-weight and --distill-loss tune --distill TEACHER_CKPT: add it")
+    if not run["distill"] and any(run[key] is not None for key in RUN_SETTINGS[-4:]):
+        raise UserError("--distill-stories, --certainty-weight, --distill-loss and --teacher-temperature tune --distill "
+                        "TEACHER_CKPT: add it")
     if run["openings"] == "target" and not run["regenerate"]:
         raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     return run

@@ -29,7 +29,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
 
 from tinydiff.ar import ar_loss  # noqa: E402
 from tinydiff.checkpoint import load_model  # noqa: E402
-from tinydiff.curve import agreement  # noqa: E402
+from tinydiff.curve import agreement, greedy_texts  # noqa: E402
 from tinydiff.diffusion import mdlm_loss, subs_logits  # noqa: E402
 from tinydiff.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
@@ -125,11 +125,12 @@ prompts = [[EOT, w] for w in WORDS[:4 if args.quick else None]]
 print(f"\n3. The curve on the toy, temperature 0, {len(prompts)} openings: tokens per forward (each block of 8 takes")
 print("   8 forwards one token per step) against the share of tokens equal to the teacher's one-per-step text.")
 print(f"   {'':<8}{'setting':<20}{'tok/fwd':>8}{'agree':>8}")
+want = greedy_texts(teacher, prompts, N, N)
 for name, m in (("teacher", teacher), ("student", student)):
     for label, rule in (("one per step", {}), ("threshold 0.7", {"threshold": 0.7}), ("threshold 0.3", {"threshold": 0.3}),
                         ("entropy bound 1", {"entropy_bound": 1.0})):
         forwards = sum(generate_cached(m, p, N, N, N, **rule)[1]["forwards"] for p in prompts)
-        agree = agreement(teacher, m, prompts, N, N, rule)
+        agree = agreement(want, greedy_texts(m, prompts, N, N, rule))
         print(f"   {name:<8}{label:<20}{N * len(prompts) / forwards:>8.2f}{agree:>8.2f}")
 print("   The teacher buys parallelism with guesses; the student commits a block in a forward or two and")
 print("   keeps writing the teacher's text. At temperature 1 the price moves to diversity: a student sure of")

@@ -147,6 +147,13 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     assert by["teacher", "entropy bound 0"]["gen_ppl"] == by["teacher", "one token per step"]["gen_ppl"]
     assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
     assert (tmp_path / "curve.json").is_file()
+    again = quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--thresholds", "1e-9,0.5"])
+    redone = {(r["model"], r["setting"]): r for r in again}
+    assert redone["student", "threshold 0.5"]["forwards_per_token"] <= 1  # the new point, sampled
+    for key, row in by.items():  # the old points, read back: the same numbers
+        assert redone[key]["gen_ppl"] == row["gen_ppl"] and redone[key]["gen_ppl_95"] == list(row["gen_ppl_95"])
+    with pytest.raises(UserError, match="other samples"):
+        quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--samples", "3"])
     with pytest.raises(UserError, match="entropy bounds"):
         quality.main(args[:-6] + ["--entropy-bounds", "-1"])
     with pytest.raises(UserError, match="--draft adds"):

@@ -263,7 +263,8 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     teacher = tmp_path / "teacher" / "ckpt.pt"  # context 48: one 32-token block after a prompt of up to 9
     train.main(["--model", "mdlm", "--preset", "draft", "--context", "48", "--out", str(teacher.parent),
                 "--max-steps", "2", *common])
-    student = ["--model", "mdlm", "--distill", str(teacher), "--distill-stories", "4", "--max-steps", "4", *common]
+    student = ["--model", "mdlm", "--distill", str(teacher), "--distill-stories", "4", "--teacher-temperature", "0",
+               "--max-steps", "4", *common]
     train.main([*student, "--out", str(tmp_path / "full")])
     ckpt, parent = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(teacher)
     assert ckpt["kind"] == "mdlm" and ckpt["config"] == parent["config"] and ckpt["step"] == 4
@@ -272,6 +273,11 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     import numpy as np
     stories = np.load(tmp_path / "full" / "trajectories.npy")
     assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 2
+    from tinydiff.checkpoint import load_model
+    from tinydiff.sampler import generate_cached
+    tokens, steps = stories[0][:, stories[0][1] != -2]  # the teacher wrote greedily, as asked
+    prompt = tokens[steps == -1].tolist()
+    assert generate_cached(load_model(teacher)[0], prompt, 32, 32, 32)[0] == tokens[len(prompt):].tolist()
     assert all(torch.isfinite(w).all() for w in ckpt["model"].values())
 
     real = train.distill_run

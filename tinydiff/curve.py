@@ -15,7 +15,7 @@ Text has no accuracy, so y stands in as 100 x the worse of (reference ppl / ppl)
 reference distinct-2), capped at 100; the reference is the first diffusion LM's one-token-per-step
 point, and y_max the best y of any point. Both ratios count: repeating a phrase lowers perplexity.
 `agreement` is a noise-free companion: at temperature 0, the share of positions where a setting
-writes the reference's one-token-per-step greedy token, on held-out story openings.
+writes the teacher's one-token-per-step greedy token, on held-out story openings.
 Leaves out: AUP on task accuracy (we have no tasks), wall-clock axes (the bench measures those).
 """
 import math
@@ -53,27 +53,34 @@ def diffusion_settings(thresholds, bounds) -> list[tuple[str, dict]]:
             + [(f"entropy bound {e:g}", {"entropy_bound": e}) for e in bounds])
 
 
-def curve_rows(models: dict, judge, args):
+def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     """(rows, reference row, y_max): every point of the curve. models holds "mdlm" and/or "student"
-    (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points);
-    args: samples, gen_length, block_length, temperature, thresholds, entropy_bounds, k, device."""
+    (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points), paths
+    their checkpoints; args: samples, gen_length, block_length, temperature, thresholds,
+    entropy_bounds, k, device. A row of `reused` (an earlier run's rows, same sampling settings)
+    stands in for a point of the same model, setting and checkpoint: a point costs minutes."""
     n, block = args.gen_length, args.block_length
-    plans = []
+    plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
         if key in models:
             for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds):
-                plans.append((name, label, rule, lambda p, g, m=models[key], r=rule: generate_cached(
+                plans.append((name, label, rule, paths[key], lambda p, g, m=models[key], r=rule: generate_cached(
                     m, p, n, n, block, args.temperature, generator=g, **r)))
     if "ar" in models:
-        plans.append(("ar", "one token per forward", {}, lambda p, g: ar_generate(
+        plans.append(("ar", "one token per forward", {}, paths["ar"], lambda p, g: ar_generate(
             models["ar"], p, n, args.temperature, generator=g)))
         if "draft" in models:
-            plans.append(("ar + speculative", f"draft k = {args.k}", {}, lambda p, g: speculative_generate(
-                models["ar"], models["draft"], p, n, args.k, args.temperature, generator=g)))
+            plans.append(("ar + speculative", f"draft k = {args.k}", {}, f"{paths['ar']} + {paths['draft']}",
+                          lambda p, g: speculative_generate(models["ar"], models["draft"], p, n, args.k,
+                                                            args.temperature, generator=g)))
+    old = {(r["model"], r["setting"], r["checkpoint"]): r for r in reused}
     rows = []
-    for name, label, rule, sample in plans:
-        judged = sample_and_judge(sample, judge, args.samples, args.device, desc=f"{name}, {label}")
-        rows.append({"model": name, "setting": label, "rule": rule, **judged})
+    for name, label, rule, checkpoint, sample in plans:
+        row = old.get((name, label, checkpoint))
+        if row is None:
+            judged = sample_and_judge(sample, judge, args.samples, args.device, desc=f"{name}, {label}")
+            row = {"model": name, "setting": label, "rule": rule, "checkpoint": checkpoint, **judged}
+        rows.append(row)
     reference = next(r for r in rows if r["model"] in ("teacher", "student", "ar"))
     y_max = max(quality_y(r, reference) for r in rows)
     for r in rows:
@@ -101,15 +108,15 @@ def curve_aups(rows, y_max: float) -> dict:
 
 
 @torch.no_grad()
-def agreement(reference_model, model, prompts, gen_length: int, block_length: int, rule: dict) -> float:
-    """At temperature 0: the share of new positions where `model` under `rule` writes what
-    `reference_model` writes one token per step, over the prompts (cached sampler, both)."""
-    same = total = 0
-    for prompt in prompts:
-        want, _ = generate_cached(reference_model, prompt, gen_length, gen_length, block_length)
-        got, _ = generate_cached(model, prompt, gen_length, gen_length, block_length, **rule)
-        same, total = same + sum(a == b for a, b in zip(want, got)), total + len(want)
-    return same / total
+def greedy_texts(model, prompts, gen_length: int, block_length: int, rule=None) -> list[list[int]]:
+    """What `model` writes after each prompt at temperature 0 with the cached sampler (and `rule`)."""
+    return [generate_cached(model, p, gen_length, gen_length, block_length, **(rule or {}))[0] for p in prompts]
+
+
+def agreement(reference: list[list[int]], texts: list[list[int]]) -> float:
+    """The share of positions where `texts` hold the reference's token (greedy_texts of both)."""
+    same = sum(a == b for want, got in zip(reference, texts) for a, b in zip(want, got))
+    return same / sum(len(want) for want in reference)
 
 
 def plot_curve(rows, path):

@@ -6,8 +6,8 @@ committing several tokens per forward commits guesses. Distillation on the model
 trajectories teaches it to be sure of many positions at once.
   1. Teacher: a trained diffusion LM, frozen, writes stories with its standard schedule: the cached
      semi-AR sampler (sampler.generate_cached), one token per step, low-confidence order, from
-     EOT + the first 0..max_opening tokens of corpus stories. For every position it records the
-     step of its block at which the teacher revealed it: `Trajectories`.
+     EOT + the first 0..max_opening tokens of corpus stories, 4 blocks each. For every position it
+     records the step of its block at which the teacher revealed it: `write_trajectories`.
   2. States (d3LLM's form of dParallel's): pick a block; the blocks before it are the teacher's
      final tokens, the blocks after it are MASK, and inside it the first r positions of the
      teacher's reveal order are revealed (r uniform in 0..N-1). That is exactly the teacher's own
@@ -66,7 +66,8 @@ class DistillConfig:
         for name in ("temperature", "certainty_weight", "certainty_temperature"):
             value = getattr(self, name)
             if not 0 <= value < float("inf") or (name == "certainty_temperature" and value == 0):
-                raise UserError(f"--{name.replace('_', '-')} must be a finite number >= 0"
+                flag = {"temperature": "teacher-temperature"}.get(name, name.replace("_", "-"))
+                raise UserError(f"--{flag} must be a finite number >= 0"
                                 f"{' (and > 0)' if name == 'certainty_temperature' else ''}, got {value}")
         if self.loss not in LOSSES:
             raise UserError(f"--distill-loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
@@ -293,7 +294,8 @@ def make_loss(config: DistillConfig, teacher=None):
     return distill_loss
 
 
-FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss"}  # train.py's
+FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss",
+         "temperature": "teacher_temperature"}  # DistillConfig field -> train.py's run setting
 
 
 def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu"):
@@ -306,8 +308,8 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu"):
     rows = run["eval_batches"] * run["batch_size"]
     val_config = replace(config, stories=max(rows, config.stories // 10))  # the validation batches, or a tenth
     val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
-    print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens, "
-          f"{config.loss} loss, certainty weight {config.certainty_weight:g}")
+    print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
+          f"{config.temperature:g}, {config.loss} loss, certainty weight {config.certainty_weight:g}")
 
     def draw(step: int):
         return sample_rows(train, run["batch_size"], run["seed"], step).to(device)

@@ -22,7 +22,7 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
-from tinydiff.curve import agreement, curve_aups, curve_rows, plot_curve
+from tinydiff.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
@@ -90,6 +90,8 @@ def parse_args(argv=None):
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")
+    curve.add_argument("--reuse", nargs="+", metavar="JSON", help="--json files of earlier curves with the same "
+                       "sampling settings: their points of the same model, setting and checkpoint are not sampled again")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -128,19 +130,36 @@ def check_args(args):
         raise UserError("thresholds must lie in (0, 1]")
 
 
+SAMPLING = ("samples", "gen_length", "block_length", "temperature", "judge")  # what makes two curve points comparable
+
+
 def run_curve(args, models, judge):
-    """--curve: the table, AUPs, agreement, plot and JSON."""
+    """--curve: the table, AUPs, agreement, plot and JSON (which --reuse reads back)."""
     if not ({"mdlm", "student"} & models.keys()):
         raise UserError("--curve compares diffusion LMs: pass --mdlm (the teacher) and/or --student")
-    rows, reference, y_max = curve_rows(models, judge, args)
+    reused = []
+    for path in args.reuse or ():
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            differ = [key for key in SAMPLING if old[key] != getattr(args, key)]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--reuse {path} is not a curve written by --json ({e})") from None
+        if differ:
+            raise UserError(f"--reuse {path} was sampled with other {', '.join(differ)}; pass the same or drop it")
+        reused += old["rows"]
+    paths = {key: getattr(args, key) for key in ("mdlm", "student", "ar", "draft")}
+    rows, reference, y_max = curve_rows(models, paths, judge, args, reused)
     if args.data:
         _, val_path = prepare_tokens(args.data)
         prompts = [[EOT] + o for o in story_openings(load_tokens(val_path), 32, 8, seed=0)]
-        teacher = models.get("mdlm", models.get("student"))
+        greedy = args.mdlm or args.student  # the teacher's text, or the student's own without one
+        want = greedy_texts(models.get("mdlm", models.get("student")), prompts, args.gen_length, args.block_length)
         for r in rows:
-            if r["model"] in ("teacher", "student"):
+            if r["model"] in ("teacher", "student") and r.get("agreement_with") != greedy:
                 model = models["mdlm" if r["model"] == "teacher" else "student"]
-                r["agreement_t0"] = agreement(teacher, model, prompts, args.gen_length, args.block_length, r["rule"])
+                texts = greedy_texts(model, prompts, args.gen_length, args.block_length, r["rule"])
+                r["agreement_t0"], r["agreement_with"] = agreement(want, texts), greedy
     print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, blocks of "
           f"{args.block_length}, judge {args.judge}; y = 100 x min(1, ppl {reference['gen_ppl']:.2f} / ppl, "
           f"distinct-2 / {reference['distinct_2']:.3f}) against {reference['model']}, {reference['setting']}")
@@ -158,8 +177,8 @@ def run_curve(args, models, judge):
         print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{k: v for k, v in r.items() if k != "stories"} for r in rows], "aup": aups,
-                       "y_max": y_max, "judge": args.judge, "samples": args.samples}, f, indent=2)
+            json.dump({**{key: getattr(args, key) for key in SAMPLING}, "aup": aups, "y_max": y_max,
+                       "rows": [{k: v for k, v in r.items() if k != "stories"} for r in rows]}, f, indent=2)
     return rows
 
 
