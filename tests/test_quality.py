@@ -158,3 +158,10 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
         quality.main(args[:-6] + ["--entropy-bounds", "-1"])
     with pytest.raises(UserError, match="--draft adds"):
         quality.main(["--judge", str(tmp_path / "ar.pt"), "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt")])
+
+
+def test_curve_plot_without_matplotlib_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "find_spec", lambda name: None)  # matplotlib is optional (requirements-plots.txt)
+    monkeypatch.setattr(quality, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking --plot"))
+    with pytest.raises(UserError, match="--plot needs matplotlib"):
+        quality.main(["--judge", "j.pt", "--mdlm", "m.pt", "--curve", "--plot", str(tmp_path / "curve.png")])

@@ -17,6 +17,7 @@ each setting's agreement with the teacher's greedy one-token-per-step text.
 import argparse
 import json
 import sys
+from importlib.util import find_spec
 
 import torch
 
@@ -128,6 +129,8 @@ def check_args(args):
         raise UserError(f"entropy bounds must be finite numbers of nats >= 0, got {bounds}")
     if not all(0 < t <= 1 for t in [args.threshold, *(args.thresholds if args.curve else [])]):
         raise UserError("thresholds must lie in (0, 1]")
+    if args.plot and find_spec("matplotlib") is None:  # before the minutes of sampling, not after
+        raise UserError("--plot needs matplotlib: pip install -r requirements-plots.txt, or drop --plot")
 
 
 SAMPLING = ("samples", "gen_length", "block_length", "temperature", "judge")  # what makes two curve points comparable
@@ -172,13 +175,13 @@ def run_curve(args, models, judge):
               f"{interval:>18}{r['distinct_2']:>11.3f}{r['y']:>7.1f}{agree}")
     aups = curve_aups(rows, y_max)
     print("AUP (d3LLM; y_max {:.1f}): ".format(y_max) + " | ".join(f"{k} {v:.1f}" for k, v in aups.items()))
-    if args.plot:
-        plot_curve(rows, args.plot)
-        print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**{key: getattr(args, key) for key in SAMPLING}, "aup": aups, "y_max": y_max,
                        "rows": [{k: v for k, v in r.items() if k != "stories"} for r in rows]}, f, indent=2)
+    if args.plot:
+        plot_curve(rows, args.plot)
+        print(f"plot: {args.plot}")
     return rows
 
 
