@@ -43,11 +43,12 @@ OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 
 # Settings that define a run: on --resume they come from the checkpoint.
+DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature")  # need --distill
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
                 "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block",
-                "distill", "distill_stories", "certainty_weight", "distill_loss", "teacher_temperature")
+                "distill", *DISTILL_TUNING)
 STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
 
 
@@ -131,7 +132,7 @@ def defaults(args, device: str) -> dict:
     given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
-    if not run["distill"] and any(run[key] is not None for key in RUN_SETTINGS[-4:]):
+    if not run["distill"] and any(run[key] is not None for key in DISTILL_TUNING):
         raise UserError("--distill-stories, --certainty-weight, --distill-loss and --teacher-temperature tune --distill "
                         "TEACHER_CKPT: add it")
     if run["openings"] == "target" and not run["regenerate"]:

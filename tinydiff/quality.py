@@ -151,11 +151,12 @@ def run_curve(args, models, judge):
         if differ:
             raise UserError(f"--reuse {path} was sampled with other {', '.join(differ)}; pass the same or drop it")
         reused += old["rows"]
+    if args.data:  # read before the sampling: a bad file fails in seconds, not after the curve
+        _, val_path = prepare_tokens(args.data)
+        prompts = [[EOT] + o for o in story_openings(load_tokens(val_path), 32, 8, seed=0)]
     paths = {key: getattr(args, key) for key in ("mdlm", "student", "ar", "draft")}
     rows, reference, y_max = curve_rows(models, paths, judge, args, reused)
     if args.data:
-        _, val_path = prepare_tokens(args.data)
-        prompts = [[EOT] + o for o in story_openings(load_tokens(val_path), 32, 8, seed=0)]
         greedy = args.mdlm or args.student  # the teacher's text, or the student's own without one
         want = greedy_texts(models.get("mdlm", models.get("student")), prompts, args.gen_length, args.block_length)
         for r in rows:
