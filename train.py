@@ -43,7 +43,7 @@ OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 
 # Settings that define a run: on --resume they come from the checkpoint.
-DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature")  # need --distill
+DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")  # need --distill
 RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
                 "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
                 "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
@@ -101,6 +101,8 @@ def parse_args(argv=None):
                          "the quality tool's; 0: greedy, dParallel's)")
     distill.add_argument("--distill-loss", choices=LOSSES, help="certainty (dParallel, default) or tad (far "
                          "positions learn the teacher's distribution)")
+    distill.add_argument("--anchor-weight", type=float, help="add this times the model's own loss on corpus windows "
+                         "to each step, to keep the student a model of the corpus (default 0: none)")
     moe = p.add_argument_group("mdlm-moe")
     moe.add_argument("--experts", type=int, help="routed experts per layer (default 32)")
     moe.add_argument("--top-k", type=int, help="routed experts per token (default 3)")
@@ -121,7 +123,8 @@ def defaults(args, device: str) -> dict:
                 "route_mask_vote": 1.0, "target": None, "block_size": 16, "regenerate": None,
                 "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
                 "experts": None, "top_k": None, "noise_block": None, "distill": None, "distill_stories": None,
-                "certainty_weight": None, "distill_loss": None, "teacher_temperature": None}  # None: DistillConfig's
+                "certainty_weight": None, "distill_loss": None, "teacher_temperature": None,
+                "anchor_weight": None}  # None: DistillConfig's
     run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
@@ -133,8 +136,8 @@ def defaults(args, device: str) -> dict:
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
     if not run["distill"] and any(run[key] is not None for key in DISTILL_TUNING):
-        raise UserError("--distill-stories, --certainty-weight, --distill-loss and --teacher-temperature tune --distill "
-                        "TEACHER_CKPT: add it")
+        raise UserError("--distill-stories, --certainty-weight, --distill-loss, --teacher-temperature and "
+                        "--anchor-weight tune --distill TEACHER_CKPT: add it")
     if run["openings"] == "target" and not run["regenerate"]:
         raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     return run
@@ -323,7 +326,7 @@ def main(argv=None):
 
     if run.get("distill"):  # the teacher's stories and the states inside them replace the windows
         out.mkdir(parents=True, exist_ok=True)
-        loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device)
+        loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
     else:
         val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from stats_helpers import random_model
 
-from tinydiff.distill import (PAD, PROMPT, DistillConfig, block_states, certainty, distill_terms, make_loss,
-                              sample_rows, state, state_logits, write_trajectories)
+from tinydiff.diffusion import mdlm_loss
+from tinydiff.distill import (PAD, PROMPT, DistillConfig, block_states, certainty, corpus_anchor, distill_terms,
+                              make_loss, sample_rows, state, state_logits, write_trajectories)
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
@@ -176,10 +177,33 @@ def test_the_training_loss_runs_on_stories_and_reaches_every_weight():
     assert torch.isfinite(tad) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_the_anchor_adds_its_weight_times_the_corpus_loss_in_training_only():
+    model = teacher(True)
+    stories = torch.from_numpy(write_trajectories(model, corpus(), config(stories=2), seed=1)).long()
+    model.train()
+    anchor = corpus_anchor(mdlm_loss, torch.from_numpy(corpus()), 3, CONTEXT, seed=5)
+
+    def loss_at(weight, seed=0):
+        return make_loss(config(anchor_weight=weight), anchor=anchor)(model, stories,
+                                                                      torch.Generator().manual_seed(seed))[0]
+    plain = loss_at(0.0)
+    # the anchor's batch and noise come from the step's generator: the same seed draws the same loss
+    assert loss_at(0.5) == loss_at(0.5) and loss_at(0.5, seed=1) != loss_at(0.5)
+    g = torch.Generator().manual_seed(0)
+    make_loss(config())(model, stories, g)  # the distillation terms draw first from the generator
+    anchored, _ = anchor(model, g, "cpu")
+    assert torch.allclose(loss_at(0.5), plain + 0.5 * anchored, rtol=1e-12, atol=0) and anchored > 0
+    model.eval()  # validation: the distillation terms alone
+    assert loss_at(0.5) == plain
+    with pytest.raises(UserError, match="needs corpus windows"):
+        make_loss(config(anchor_weight=1.0))
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"loss": "kl"}, "distill-loss"), ({"certainty_weight": -1.0}, "certainty-weight"),
     ({"certainty_weight": float("nan")}, "certainty-weight"), ({"stories": 0}, "stories"),
     ({"certainty_temperature": 0.0}, "certainty-temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"anchor_weight": -0.5}, "anchor-weight"), ({"anchor_weight": float("nan")}, "anchor-weight"),
 ])
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message):

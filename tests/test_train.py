@@ -264,7 +264,7 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     train.main(["--model", "mdlm", "--preset", "draft", "--context", "48", "--out", str(teacher.parent),
                 "--max-steps", "2", *common])
     student = ["--model", "mdlm", "--distill", str(teacher), "--distill-stories", "4", "--teacher-temperature", "0",
-               "--max-steps", "4", *common]
+               "--anchor-weight", "0.5", "--max-steps", "4", *common]  # the anchor's windows replay on resume too
     train.main([*student, "--out", str(tmp_path / "full")])
     ckpt, parent = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(teacher)
     assert ckpt["kind"] == "mdlm" and ckpt["config"] == parent["config"] and ckpt["step"] == 4
@@ -309,6 +309,8 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
             (["--distill", str(teacher), "--preset", "tiny"], "a student has its teacher's shape .* drop --preset"),
             (["--distill", str(teacher), "--init", str(ar)], "does not fit the teacher"),
             (["--certainty-weight", "1"], "tune --distill TEACHER_CKPT"),
+            (["--anchor-weight", "1"], "tune --distill TEACHER_CKPT"),
+            (["--distill", str(teacher), "--anchor-weight", "inf"], "--anchor-weight must be a finite number"),
             (["--distill", str(teacher), "--certainty-weight", "-1"], "--certainty-weight must be a finite number")):
         with pytest.raises(UserError, match=message):
             train.main(["--model", "mdlm", *common, "--max-steps", "1", "--out", str(tmp_path / "bad"), *flags])

@@ -17,6 +17,9 @@ trajectories teaches it to be sure of many positions at once.
      whose argmax already is the teacher's token (certainty forcing; beta = 2). beta = 0 is plain
      masked CE. TAD's variant replaces the CE of positions the teacher revealed more than
      `tad_horizon` steps later by KL(teacher || student) at temperature 1.
+  4. Anchor (not in dParallel, off by default): anchor_weight * the teacher's own training loss on
+     corpus windows, added to every training step. Trajectories alone teach the student the
+     teacher's few hundred stories; the anchor keeps it a model of the corpus.
 One forward covers every block of a story (as block diffusion's loss does): the model reads
 [the clean story; one group per block holding that block's state], with a mask that gives each
 row exactly the keys the cached sampler gives it (`state_mask`), so the student trains on the
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tinydiff.checkpoint import load_checkpoint, load_model, model_from
+from tinydiff.data import sample_windows
 from tinydiff.diffusion import subs_logits
 from tinydiff.dmoe import balance_loss
 from tinydiff.errors import UserError
@@ -57,13 +61,14 @@ class DistillConfig:
     certainty_temperature: float = 0.5  # that entropy is of softmax(logits / this)
     loss: str = "certainty"             # "certainty" (dParallel) or "tad" (hard CE near, KL far)
     tad_horizon: int = 8                # tad: positions revealed within this many steps get hard CE
+    anchor_weight: float = 0.0          # weight of the model's own loss on corpus windows (0: none)
 
     def __post_init__(self):
         if min(self.stories, self.block_length, self.tad_horizon) < 1 or min(self.max_opening, self.blocks) < 0:
             raise UserError(f"--distill-stories must be >= 1, got {self.stories} (and a block length >= 1, blocks "
                             f"and max opening >= 0, a TAD horizon >= 1: {self.block_length}, {self.blocks}, "
                             f"{self.max_opening}, {self.tad_horizon})")
-        for name in ("temperature", "certainty_weight", "certainty_temperature"):
+        for name in ("temperature", "certainty_weight", "certainty_temperature", "anchor_weight"):
             value = getattr(self, name)
             if not 0 <= value < float("inf") or (name == "certainty_temperature" and value == 0):
                 flag = {"temperature": "teacher-temperature"}.get(name, name.replace("_", "-"))
@@ -270,11 +275,25 @@ def distill_terms(logits, targets, masked, ahead, config: DistillConfig, teacher
                   "certainty": sure.detach(), "acc": right.sum() / n}
 
 
-def make_loss(config: DistillConfig, teacher=None):
+def corpus_anchor(objective, tokens, batch_size: int, window: int, seed: int):
+    """anchor(model, generator) -> (loss, stats): `objective` on B corpus windows, the batch drawn
+    from the step's noise generator, so a resumed run replays it."""
+    def anchor(model, generator, device):
+        index = int(torch.randint(2**62, (1,), generator=generator, device=device))
+        return objective(model, sample_windows(tokens, batch_size, window, seed, index).to(device), generator)
+
+    return anchor
+
+
+def make_loss(config: DistillConfig, teacher=None, anchor=None):
     """loss(model, batch (B, 2, S), generator) -> (loss, stats), train.py's objective signature.
-    A MoE student adds its balance term, as its own training did."""
+    A MoE student adds its balance term, as its own training did. With anchor_weight > 0 a training
+    step adds anchor_weight * anchor(model, generator, device)'s loss; validation (model.eval()) reports the
+    distillation terms alone, on the validation trajectories."""
     if config.loss == "tad" and teacher is None:
         raise UserError("TAD's loss needs the teacher's distributions: pass the teacher")
+    if config.anchor_weight and anchor is None:
+        raise UserError("--anchor-weight needs corpus windows to anchor on: pass the anchor")
 
     def distill_loss(model, batch, generator=None):
         N, shift = config.block_length, int(model.config.shift)
@@ -289,19 +308,24 @@ def make_loss(config: DistillConfig, teacher=None):
         loss, stats = distill_terms(logits, targets, masked, ahead, config, teacher_logits)
         if hasattr(model.config, "balance_coef"):  # a MoE student
             loss = loss + model.config.balance_coef * balance_loss(model)
+        if config.anchor_weight and model.training:
+            anchored, _ = anchor(model, generator, batch.device)
+            loss = loss + config.anchor_weight * anchored
+            stats["anchor"] = anchored.detach()
         return loss, stats
 
     return distill_loss
 
 
 FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss",
-         "temperature": "teacher_temperature"}  # DistillConfig field -> train.py's run setting
+         "temperature": "teacher_temperature", "anchor_weight": "anchor_weight"}  # field -> train.py's setting
 
 
-def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu"):
+def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objective=None):
     """What train.py needs for a --distill run: (loss, draw(step) -> batch, validation batch). The
     teacher's trajectories are written once into the run folder (from the validation split's
-    openings for validation), so a resumed run trains on the same stories."""
+    openings for validation), so a resumed run trains on the same stories. `objective` is the
+    student kind's own loss, for the anchor."""
     config = DistillConfig(**{key: run[flag] for key, flag in FLAGS.items() if run.get(flag) is not None})
     teacher, _ = load_teacher(run["distill"], run["model"], device)
     train = load_or_write(out / "trajectories.npy", teacher, train_tokens, config, run["seed"])
@@ -309,9 +333,12 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu"):
     val_config = replace(config, stories=max(rows, config.stories // 10))  # the validation batches, or a tenth
     val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
     print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
-          f"{config.temperature:g}, {config.loss} loss, certainty weight {config.certainty_weight:g}")
+          f"{config.temperature:g}, {config.loss} loss, certainty weight {config.certainty_weight:g}"
+          + (f", anchor weight {config.anchor_weight:g}" if config.anchor_weight else ""))
+    anchor = corpus_anchor(objective, train_tokens, run["batch_size"], teacher.config.context, run["seed"]) \
+        if config.anchor_weight else None
 
     def draw(step: int):
         return sample_rows(train, run["batch_size"], run["seed"], step).to(device)
 
-    return make_loss(config, teacher), draw, torch.from_numpy(val[:rows]).long().to(device)
+    return make_loss(config, teacher, anchor), draw, torch.from_numpy(val[:rows]).long().to(device)
