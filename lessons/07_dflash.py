@@ -136,7 +136,7 @@ with torch.no_grad():
     print(f"   the target ('perfect', built here by decoding the target {B - 1} times) reaches tau = B. The")
     print("   features of the newly committed positions join the drafter's context; both caches are cropped.\n")
 
-    n_new = 48 if args.quick else 120
+    n_new = 48 if args.quick else min(120, target.config.context - len(prompt))  # what the context holds
     ar_out, ar_stats = ar_generate(target, prompt, n_new, temperature=0, stop_token=None)
     print(f"6. The loop, greedy, {n_new} tokens after {tok.decode(prompt[1:])!r}:")
     print(f"   ar      : {ar_stats['tokens_per_s']:6.0f} tokens/s, {ar_stats['forwards']} target forwards")

@@ -138,7 +138,7 @@ with torch.no_grad():
     print(f"   root's and the path's rows into place: {cache.length} rows = the committed tokens but the bonus.")
     print("   The drafter's context grows by the features of the same rows (the verify forward's hidden states).\n")
 
-    n_new = 48 if args.quick else 120
+    n_new = 48 if args.quick else min(120, target.config.context - len(prompt))  # what the context holds
     ar_out, ar_stats = ar_generate(target, prompt, n_new, temperature=0, stop_token=None)
     print(f"5. The loop, greedy, {n_new} tokens after {tok.decode(prompt[1:])!r}:")
     print(f"   ar          : {ar_stats['tokens_per_s']:6.0f} tokens/s")
