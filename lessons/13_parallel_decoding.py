@@ -145,4 +145,4 @@ if not args.quick and all(paths):
     for name, m in zip(("teacher", "student"), real):
         show(name, confidences(m, prompt, 16))
 else:
-    print("\n4. (Pass --teacher and --student, or train them as the README says, to see real stories' confidences.)")
+    print("\n4. (Pass --teacher and --student, or train them as docs/USAGE.md says, to see real stories' confidences.)")
