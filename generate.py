@@ -24,7 +24,6 @@ The prompt is encoded as plain text after an EOT token (every training story fol
 EOT is how a model knows a story starts). Text goes to stdout, stats to stderr; with --json one
 object {"text", "prompt_ids", "ids", "stats"} goes to stdout instead.
 """
-import argparse
 import json
 import shutil
 import sys
@@ -33,6 +32,7 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.cli import add_device, make_parser
 from tinydiff.dflash import drafter_from
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
@@ -57,12 +57,12 @@ def fan_out(text: str):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = make_parser("python generate.py", __doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
     p.add_argument("--prompt", required=True, help="the story's opening")
     p.add_argument("--method", choices=sorted(METHODS), help="default: the checkpoint's own")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
+    add_device(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--temperature", type=float, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
     ar = p.add_argument_group("ar")

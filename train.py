@@ -9,7 +9,6 @@ Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-
 A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
 drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states.
 """
-import argparse
 import math
 import sys
 import time
@@ -25,6 +24,7 @@ from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.dmoe import MoETransformer, mdlm_moe_loss, moe_config, set_routing
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.checkpoint import StopOnSignal, load_checkpoint, load_model, model_from, save_checkpoint
+from tinydiff.cli import add_device, make_parser
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.distill import LOSSES, distill_run, student_from
@@ -58,8 +58,8 @@ def layer_ids(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train: the masked-diffusion LM (default) or an AR model")
+    p = make_parser("python train.py", __doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train: mdlm, the masked-diffusion LM (default); ar, the AR model; mdlm-moe, the diffusion LM with experts; dflash or eagle3, a drafter for --target")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: 13m on CUDA, tiny on CPU)")
     p.add_argument("--context", type=int, help="override the preset's context length (tokens per window)")
     p.add_argument("--data", help="TinyStories-train.txt-format file (default: download from Hugging Face)")
@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, help="validate every N steps (default 250)")
     p.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
     dflash = p.add_argument_group("drafters (dflash, eagle3, or an ar draft with --regenerate)")

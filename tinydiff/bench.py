@@ -20,7 +20,6 @@ at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a pr
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
 `--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/report.py.
 """
-import argparse
 import json
 import math
 import platform
@@ -32,6 +31,7 @@ from tqdm import tqdm
 
 from tinydiff.bench_methods import MEANS, METHODS, USES
 from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.cli import add_device, make_parser
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.block_diffusion import diffusion_elbo
@@ -156,7 +156,7 @@ def heldout_nll(models, args, tokenizer, wanted) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Benchmark every decoding method on the same prompts.")
+    p = make_parser("python -m tinydiff.bench", "Benchmark every decoding method on the same prompts.")
     p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
     p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint trained for --ckpt (default: an untrained one)")
@@ -172,8 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
                    "(with --report: how many held-out story openings)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the same text for every method")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
+    add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
                    "methods on held-out story openings, write DIR/RESULTS.md and DIR/plots/")

@@ -14,7 +14,6 @@ diffusion LMs at one token per step, each --thresholds value and each --entropy-
 AR decoding and, with --draft, AR + speculative decoding; then AUP per curve and, with --data,
 each setting's agreement with the teacher's greedy one-token-per-step text.
 """
-import argparse
 import json
 import sys
 from importlib.util import find_spec
@@ -23,6 +22,7 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_model
+from tinydiff.cli import add_device, make_parser
 from tinydiff.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
@@ -63,7 +63,7 @@ def number_list(text: str) -> list[float]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Sample quality of every sampler: generative perplexity and distinct-2.")
+    p = make_parser("python -m tinydiff.quality", "Sample quality of every sampler: generative perplexity and distinct-2.")
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
     p.add_argument("--student", help="diffusion LM distilled for parallel decoding (train.py --distill)")
@@ -75,10 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
     p.add_argument("--draft", help="with --curve and --ar: an AR draft for the speculative point")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round for the speculative point")
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--samples", type=int, default=64, help="stories per sampler")
     p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--block-length", type=int, default=32, help="the diffusion samplers fill blocks of this many tokens left to right")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every sampler")
     p.add_argument("--threshold", type=float, default=0.9, help="for the *-threshold samplers")
     p.add_argument("--entropy-bound", type=float, default=0.1, help="nats, for the *-entropy samplers: commit the "
                    "most confident run with sum(H) - max(H) under it (EB-Sampler)")
@@ -93,7 +93,7 @@ def parse_args(argv=None):
     curve.add_argument("--json", help="write the curve's rows as JSON here")
     curve.add_argument("--reuse", nargs="+", metavar="JSON", help="--json files of earlier curves with the same "
                        "sampling settings: their points of the same model, setting and checkpoint are not sampled again")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(p)
     return p.parse_args(argv)
 
 

@@ -27,7 +27,6 @@ new ones from these rows). At these sizes every path is far from its floor: a la
 microseconds, which is what fusing into one launch buys.
 On a machine without CUDA the Triton timings need a GPU: only the references are timed.
 """
-import argparse
 import json
 import statistics
 import time
@@ -35,6 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tinydiff.cli import add_device, make_parser
 from tinydiff.ddtree import build_tree, compile_tree
 from tinydiff.kernels import HAVE_TRITON
 from tinydiff.kernels.masked_attention import masked_attention_reference, masked_attention_triton
@@ -290,13 +290,13 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = make_parser("python -m tinydiff.kernels.bench", __doc__.split("\n")[0])
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list from: {', '.join(KERNELS)}")
     p.add_argument("--dtypes", default=None, help="comma list from float32, bfloat16, float16 "
                    "(default: float32,bfloat16 on a GPU, float32 on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(p)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 100 on a GPU, 3 on CPU)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
     p.add_argument("--sweep", action="store_true", help="also time the Triton kernels at other tile sizes "
                    "(attention: block_t x block_s; moe: block_m/block_f/block_k; sampler: block_v/split)")
     p.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (it compiles for minutes)")

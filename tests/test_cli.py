@@ -1,0 +1,41 @@
+"""Every entry point's --help names the command as it is typed and shows the default of every flag
+that takes a value and has a default."""
+import argparse
+
+import pytest
+
+import generate
+import train
+from tinydiff import bench, quality
+from tinydiff.kernels import bench as kernel_bench
+
+ENTRY_POINTS = {"python train.py": train.parse_args, "python generate.py": generate.parse_args,
+                "python -m tinydiff.bench": bench.parse_args, "python -m tinydiff.quality": quality.parse_args,
+                "python -m tinydiff.kernels.bench": kernel_bench.main}
+
+
+def parser_of(entry_point, monkeypatch) -> argparse.ArgumentParser:
+    """The parser the entry point builds, caught as it starts to parse."""
+    caught = []
+
+    def catch(self, *args, **kwargs):
+        caught.append(self)
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        entry_point([])
+    monkeypatch.undo()
+    return caught[0]
+
+
+@pytest.mark.parametrize("prog", ENTRY_POINTS)
+def test_help_names_the_command_and_every_default(prog, monkeypatch):
+    parser = parser_of(ENTRY_POINTS[prog], monkeypatch)
+    assert parser.format_help().startswith(f"usage: {prog} ")
+    valued = [a for a in parser._actions if a.option_strings and a.nargs != 0 and a.default is not None]
+    assert valued  # every entry point has some
+    for action in valued:
+        formatter = parser._get_formatter()
+        formatter.add_argument(action)
+        entry = formatter.format_help()
+        assert "default" in entry, entry
