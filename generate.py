@@ -180,6 +180,15 @@ def run_diffusion(model, prompt, args, generator, callback):
     return generate(model, prompt, args.gen_length, steps, args.block_length, revise=args.revise, **common)
 
 
+NAMES = {"tau": "tau (tokens per round)"}  # a round is one verify forward; the prompt's prefill is not one
+
+
+def stats_line(stats: dict) -> str:
+    """One line of stats; what does not apply to this method (None: a tree's alpha) is left out."""
+    return " | ".join(f"{NAMES.get(k, k)} {v:.4g}" if isinstance(v, float) else f"{NAMES.get(k, k)} {v}"
+                      for k, v in stats.items() if v is not None)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.speculative_config:
@@ -221,8 +230,7 @@ def main(argv=None):
         print(json.dumps({"text": text, "prompt_ids": prompt, "ids": ids, "stats": stats}))
     else:
         print(text)
-        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()),
-              file=sys.stderr)
+        print(stats_line(stats), file=sys.stderr)
 
 
 if __name__ == "__main__":

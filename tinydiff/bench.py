@@ -6,7 +6,7 @@ Each method decodes the same fixed story openings for the same number of new tok
 EOT, so every method does the same work) after one untimed warm-up prompt. Columns:
   tokens_per_s               new tokens / wall seconds, over all prompts
   target_forwards_per_token  forward passes of the target model / new tokens
-  tau                        new tokens per target forward (1 for plain AR decoding)
+  tau                        new tokens per target forward, the prefill counted (1 for plain AR decoding)
   speedup_vs_ar              tokens_per_s / the `ar` row's tokens_per_s
   heldout_nll, heldout_bpb   with --data: nats/token and bits/byte on the file's validation
                              split; exact for the AR model, the ELBO bound for the diffusion LM
@@ -238,8 +238,8 @@ def main(argv=None):
         costed = f"{r['predicted_at_loop_costs']:.2f}x" if "predicted_at_loop_costs" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>10.1f}{r['target_forwards_per_token']:>18.3f}"
               f"{r['tau']:>7.2f}{speedup:>15}{quality}{alpha}{predicted:>11}{costed:>12}")
-    print("tau: new tokens per target forward (bonus included); alpha: accepted / judged drafts (a round "
-          "judges its drafts up to the first rejection)")
+    print("tau: new tokens per target forward (bonus included, the prefill counted); alpha: accepted / judged "
+          "drafts (a round judges its drafts up to the first rejection)")
     print(f"c (draft / target forward cost) = {c:.3f}; Leviathan = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); "
           "loop costs: the same with c and the verify's 1 replaced by what one draft and one verify "
           "took inside the loop, in `ar` decoding steps")

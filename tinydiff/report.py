@@ -292,8 +292,8 @@ def section(report: dict, args, plot_paths, folder: Path) -> str:
         lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['target_forwards_per_token']:.3f} | "
                      f"{r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'], '.2f', 'x')} | "
                      f"{fmt(r['heldout_nll'], '.3f')} | {fmt(r['heldout_bpb'], '.3f')} | {fmt(r.get('alpha'), '.2f')} |")
-    lines += ["", "tau: new tokens per target forward (bonus included); alpha: accepted / judged drafts (chains "
-              "only). Held-out NLL: nats/token on 16 validation windows of the model whose distribution the "
+    lines += ["", "tau: new tokens per target forward, bonus included, the prompt's prefill forward counted "
+              "(generate.py's tau is per round and leaves it out); alpha: accepted / judged drafts (chains only). Held-out NLL: nats/token on 16 validation windows of the model whose distribution the "
               "method samples (the target for every speculative method: they are lossless), exact for AR, "
               "the ELBO bound for the diffusion LMs.", ""]
     if plot_paths:
