@@ -27,130 +27,51 @@ from tinydiff.checkpoint import StopOnSignal, load_checkpoint, load_model, model
 from tinydiff.cli import add_device, make_parser
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, drafter_from
 from tinydiff.dflash_decode import dflash_generate
-from tinydiff.distill import LOSSES, distill_run, student_from
+from tinydiff.distill import distill_run, student_from
 from tinydiff.eagle import EagleConfig, EagleHead, eagle_loss, head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, Transformer, preset
 from tinydiff.training import evaluate, lr_at, make_optimizer
+from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, given_settings, migrate, new_run
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.tokenizer import EOT, Tokenizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
 OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
               "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
-DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
-
-# Settings that define a run: on --resume they come from the checkpoint.
-DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")  # need --distill
-RUN_SETTINGS = ("model", "preset", "context", "data", "max_steps", "batch_size", "lr", "min_lr",
-                "warmup", "weight_decay", "grad_clip", "seed", "eval_every", "eval_batches", "init",
-                "routing", "route_threshold", "route_guard", "route_mask_vote", "target", "block_size", "regenerate",
-                "steps_ahead", "feature_layers", "drafter_layers", "openings", "experts", "top_k", "noise_block",
-                "distill", *DISTILL_TUNING)
-STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
-
-
-def layer_ids(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]: argparse reports a ValueError here as a one-line usage error."""
-    return [int(i) for i in text.split(",")]
 
 
 def parse_args(argv=None):
     p = make_parser("python train.py", __doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(OBJECTIVES), help="what to train: mdlm, the masked-diffusion LM (default); ar, the AR model; mdlm-moe, the diffusion LM with experts; dflash or eagle3, a drafter for --target")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: 13m on CUDA, tiny on CPU)")
-    p.add_argument("--context", type=int, help="override the preset's context length (tokens per window)")
-    p.add_argument("--data", help="TinyStories-train.txt-format file (default: download from Hugging Face)")
+    add_flags(p)  # the run settings (tinydiff/run_config.py); below, how to run it
     p.add_argument("--cache-dir", default="data", help="token cache when the data's folder is not writable, and for Hugging Face")
     p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
-    p.add_argument("--max-steps", type=int, help="optimizer steps (default 5000)")
-    p.add_argument("--batch-size", type=int, help="windows per step (default 32)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine (default lr / 10)")
-    p.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
-    p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.1)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (default 1.0)")
-    p.add_argument("--seed", type=int, help="seeds initialisation and the data order (default 1337)")
-    p.add_argument("--eval-every", type=int, help="validate every N steps (default 250)")
-    p.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
     p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
     add_device(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    p.add_argument("--init", help="start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
-    dflash = p.add_argument_group("drafters (dflash, eagle3, or an ar draft with --regenerate)")
-    dflash.add_argument("--target", help="the AR target checkpoint the draft or drafter learns to draft for")
-    dflash.add_argument("--block-size", type=int, help="B: the drafter fills B-1 slots per forward (default 16)")
-    dflash.add_argument("--regenerate", type=int, help="train on N stories --target writes from story openings")
-    dflash.add_argument("--openings", choices=["corpus", "target"],
-                        help="--regenerate's story openings: the corpus's (default), or sampled by the target")
-    dflash.add_argument("--steps-ahead", type=int, help="eagle3: training unrolls the head K steps (default 3)")
-    dflash.add_argument("--drafter-layers", type=int, help="dflash: the drafter's own Transformer layers (default 1)")
-    dflash.add_argument("--feature-layers", type=layer_ids,
-                        help="dflash: target layers to read, e.g. 1,2,4 (default: the paper's rule, N = min(5, L-3))")
-    p.add_argument("--noise-block", type=int, help="mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
-                   "prefix (block diffusion, what the cached block sampler meets; default: one per window)")
-    distill = p.add_argument_group("distillation for parallel decoding (mdlm, mdlm-moe; tinydiff/distill.py)")
-    distill.add_argument("--distill", metavar="TEACHER_CKPT", help="train a student, from this diffusion LM's weights, "
-                         "on the stories it writes one token per step, to be sure of several tokens per forward")
-    distill.add_argument("--distill-stories", type=int, help="stories the teacher writes (default 1000)")
-    distill.add_argument("--certainty-weight", type=float, help="beta of dParallel's certainty term (default 2; "
-                         "0 = plain masked cross-entropy)")
-    distill.add_argument("--teacher-temperature", type=float, help="the teacher writes at this temperature (default 1, "
-                         "the quality tool's; 0: greedy, dParallel's)")
-    distill.add_argument("--distill-loss", choices=LOSSES, help="certainty (dParallel, default) or tad (far "
-                         "positions learn the teacher's distribution)")
-    distill.add_argument("--anchor-weight", type=float, help="add this times the model's own loss on corpus windows "
-                         "to each step, to keep the student a model of the corpus (default 0: none)")
-    moe = p.add_argument_group("mdlm-moe")
-    moe.add_argument("--experts", type=int, help="routed experts per layer (default 32)")
-    moe.add_argument("--top-k", type=int, help="routed experts per token (default 3)")
-    moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: token)")
-    moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default 0.6)")
-    moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default 4)")
-    moe.add_argument("--route-mask-vote", type=float, help="block routing: a MASK token's vote in its block's "
-                     "coreset, against a committed token's 1 (default 1, the paper's rule)")
     return p.parse_args(argv)
 
 
 def defaults(args, device: str) -> dict:
-    """The run settings with every unset flag filled in."""
-    fallback = {"model": "mdlm", "preset": "13m" if device.startswith("cuda") else "tiny", "context": None,
-                "data": None, "max_steps": 5000, "batch_size": 32, "lr": 3e-3, "min_lr": None,
-                "warmup": 100, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1337, "eval_every": 250,
-                "eval_batches": 8, "init": None, "routing": "token", "route_threshold": 0.6, "route_guard": 4,
-                "route_mask_vote": 1.0, "target": None, "block_size": 16, "regenerate": None,
-                "steps_ahead": 3, "feature_layers": None, "drafter_layers": None, "openings": "corpus",
-                "experts": None, "top_k": None, "noise_block": None, "distill": None, "distill_stories": None,
-                "certainty_weight": None, "distill_loss": None, "teacher_temperature": None,
-                "anchor_weight": None}  # None: DistillConfig's
-    run = {k: getattr(args, k) if getattr(args, k) is not None else fallback[k] for k in RUN_SETTINGS}
+    """A new run's settings: the flags given, RunConfig's defaults for the rest."""
+    run = new_run(args, "13m" if device.startswith("cuda") else "tiny")
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
-    run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
-    for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
-        if run[key] < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {run[key]}")
     given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
-    if not run["distill"] and any(run[key] is not None for key in DISTILL_TUNING):
-        raise UserError("--distill-stories, --certainty-weight, --distill-loss, --teacher-temperature and "
-                        "--anchor-weight tune --distill TEACHER_CKPT: add it")
-    if run["openings"] == "target" and not run["regenerate"]:
-        raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
     return run
 
 
 def resumed_settings(args, ckpt: dict, path) -> dict:
     """The checkpoint's run settings; a flag that contradicts them is an error, not a silent change."""
-    run = ckpt["args"]
-    for key in RUN_SETTINGS:
-        given = getattr(args, key)
-        if given is not None and given != run.get(key):
+    run = migrate(ckpt["args"], path)
+    for key, given in given_settings(args).items():
+        if given != run[key]:
             raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
-                            f"({run.get(key)}); drop the flag to resume, or start a new run with another --out")
+                            f"({run[key]}); drop the flag to resume, or start a new run with another --out")
     return run
 
 
@@ -182,18 +103,17 @@ def check_init_shape(run: dict, config, wanted: dict):
 
 def build_model(run: dict, device: str, ckpt=None, path=None):
     """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
-    # .get: a run resumed from a checkpoint older than these flags has neither
-    if (run.get("feature_layers") or run.get("drafter_layers") is not None) and run["model"] != "dflash":
+    if (run["feature_layers"] or run["drafter_layers"] is not None) and run["model"] != "dflash":
         raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
                         "fusing 3 fixed target layers)")
-    if run.get("noise_block") is not None and not run["model"].startswith("mdlm"):
+    if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
         raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
     from_init = run["model"] in ("dflash", "eagle3") and run["init"] and ckpt is None
     if from_init:  # a new run that continues a drafter's weights
         ckpt, path = init_checkpoint(run), run["init"]
     if run["model"] == "dflash":
         target = load_target(run, device)
-        given = {"feature_layers": run.get("feature_layers"), "n_layer": run.get("drafter_layers")}
+        given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"]}
         overrides = {key: value for key, value in given.items() if value is not None}
         if ckpt is None:
             return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
@@ -210,13 +130,13 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         if from_init:
             check_init_shape(run, head.config, {"steps_ahead": run["steps_ahead"]})
         return head
-    moe_shape = {key: value for key, value in (("n_experts", run.get("experts")), ("moe_top_k", run.get("top_k")))
+    moe_shape = {key: value for key, value in (("n_experts", run["experts"]), ("moe_top_k", run["top_k"]))
                  if value is not None}
     if moe_shape and run["model"] != "mdlm-moe":
         raise UserError("--experts and --top-k apply to --model mdlm-moe only")
     if ckpt is not None:
         return model_from(ckpt, path, device)
-    if run.get("distill"):  # .get: a run from before the flag
+    if run["distill"]:
         if run["model"] not in ("mdlm", "mdlm-moe"):
             raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
         model = student_from(run["distill"], run["model"], run["init"], device)
@@ -236,10 +156,10 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
         model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
     if run["model"] == "mdlm-moe":
         set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
-                    mask_vote=run.get("route_mask_vote") or 1.0)  # .get: a run from before the flag
+                    mask_vote=run["route_mask_vote"])
     elif run["routing"] != "token":
         raise UserError("--routing applies to --model mdlm-moe only")
-    if run.get("noise_block") is not None:  # None keeps --init's objective
+    if run["noise_block"] is not None:  # None keeps --init's objective
         block, context = run["noise_block"], model.config.context
         if block < 0 or (block and context % block):
             raise UserError(f"--noise-block takes 0 (one noise level per window) or a block that divides the "
@@ -301,7 +221,7 @@ def main(argv=None):
         print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
-        name = f"student of {run['distill']}" if run.get("distill") else run["preset"]
+        name = f"student of {run['distill']}" if run["distill"] else run["preset"]
         print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
     tokenizer = Tokenizer()
@@ -315,7 +235,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         train_file, val_file = (out / name for name in REGENERATED)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
-                                  run.get("openings") == "target")  # .get: older checkpoints lack it
+                                  run["openings"] == "target")
         train_tokens = trim_loops(text)
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
@@ -324,7 +244,7 @@ def main(argv=None):
     def draw(step: int):  # batch `step`, from (seed, step) alone
         return sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
 
-    if run.get("distill"):  # the teacher's stories and the states inside them replace the windows
+    if run["distill"]:  # the teacher's stories and the states inside them replace the windows
         out.mkdir(parents=True, exist_ok=True)
         loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
     else:

@@ -82,6 +82,29 @@ def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch
     assert_same_weights(final_weights(out), uninterrupted)
 
 
+OLDER_THAN = ("noise_block", "openings", "route_mask_vote", "drafter_layers", "feature_layers", "distill",
+              "distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")
+
+
+@pytest.mark.parametrize("kind", ["mdlm"])
+def test_a_checkpoint_from_before_the_newer_settings_resumes_to_the_same_weights(story_file, tmp_path, monkeypatch,
+                                                                                 kind, uninterrupted):
+    """The migration (run_config.migrate) gives the settings a checkpoint lacks what those runs did."""
+    out = tmp_path / "run"
+    interrupt_at(monkeypatch, "mdlm", 5, lambda: (_ for _ in ()).throw(SystemExit("killed")))
+    with pytest.raises(SystemExit):
+        train.main(argv(story_file, out))
+    monkeypatch.undo()
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    old = {**ckpt, "args": {k: v for k, v in ckpt["args"].items() if k not in OLDER_THAN}}
+    torch.save(old, out / "ckpt.pt")
+    train.main(["--out", str(out), "--resume"])
+    assert_same_weights(final_weights(out), uninterrupted)
+    torch.save({**old, "args": {**old["args"], "dropout": 0.1}}, out / "ckpt.pt")
+    with pytest.raises(UserError, match=r"run settings this code does not know \(dropout\)"):
+        train.main(["--out", str(out), "--resume"])
+
+
 def test_checkpoint_holds_the_whole_training_state(story_file, tmp_path, kind):
     train.main(argv(story_file, tmp_path / "r", kind=kind))
     ckpt = load_checkpoint(tmp_path / "r" / "ckpt.pt")

@@ -43,6 +43,7 @@ from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
+from tinydiff.run_config import SETTINGS
 from tinydiff.sampler import generate
 from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
@@ -115,7 +116,7 @@ def steps_left(path: Path, argv: list[str]) -> int:
         return wanted["max_steps"]
     ckpt = load_checkpoint(path)
     run = ckpt.get("args") or {}
-    differ = [key for key in train.RUN_SETTINGS if wanted[key] is not None and wanted[key] != run.get(key)]
+    differ = [key for key in SETTINGS if wanted[key] is not None and wanted[key] != run.get(key)]
     if differ:
         raise UserError(f"{path} was trained with other settings ({', '.join(differ)}) than this report "
                         f"uses; delete {path.parent} to retrain it, or pass it with its bench flag")

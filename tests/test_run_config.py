@@ -1,0 +1,36 @@
+"""Spec: tinydiff/run_config.py. Each run setting is declared once: every RunConfig field is one
+train.py flag that stays unset unless given, new runs take the fields' defaults, and bad values fail
+at construction with a one-line error."""
+import math
+
+import pytest
+
+import train
+from tinydiff.errors import UserError
+from tinydiff.run_config import KINDS, SETTINGS, RunConfig, given_settings, migrate, new_run
+
+
+def test_every_setting_is_one_flag_unset_unless_given_and_every_kind_has_an_objective():
+    args = train.parse_args([])
+    assert all(getattr(args, key) is None for key in SETTINGS) and given_settings(args) == {}
+    args = train.parse_args(["--lr", "0.5", "--feature-layers", "1,3", "--model", "ar"])
+    assert given_settings(args) == {"lr": 0.5, "feature_layers": [1, 3], "model": "ar"}
+    assert set(train.OBJECTIVES) == set(KINDS)
+
+
+def test_a_new_run_is_the_defaults_with_the_flags_given():
+    run = new_run(train.parse_args(["--lr", "0.5"]), preset="tiny")
+    assert set(run) == set(SETTINGS) and run["preset"] == "tiny" and run["min_lr"] == 0.05
+    assert {k: v for k, v in run.items() if k not in ("lr", "min_lr", "preset")} == \
+        {k: v for k, v in migrate({}, "x").items() if k not in ("lr", "min_lr", "preset")}
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("max_steps", 0, "--max-steps must be >= 1"), ("batch_size", -1, "--batch-size must be >= 1"),
+    ("lr", math.nan, "--lr must be a finite number"), ("grad_clip", -1.0, "--grad-clip must be a finite"),
+    ("weight_decay", math.inf, "--weight-decay must be a finite"), ("anchor_weight", 1.0, "tune --distill"),
+    ("openings", "target", "add --regenerate N"),
+])
+def test_bad_settings_fail_at_construction(setting, value, message):
+    with pytest.raises(UserError, match=message):
+        RunConfig(**{setting: value})

@@ -1,0 +1,143 @@
+"""The settings of a training run, declared once: train.py's flags, their defaults, the checks on
+them and the resume check all come from RunConfig's fields.
+
+A field is a setting that defines a run: it is saved in the checkpoint (`args`) and read back on
+--resume, where a flag that contradicts it is an error. Flags that only say how to run it (--out,
+--device, --ckpt-every, --resume, --cache-dir) are train.py's own. A default of None means "decided
+elsewhere" (the preset by the device, min_lr from lr, the distillation tuning by DistillConfig).
+Checkpoints written before a setting existed lack its key: `migrate` fills it with the value that
+reproduces what those runs did (every field's default was chosen to be that value).
+"""
+import argparse
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from tinydiff.distill import LOSSES
+from tinydiff.errors import UserError
+from tinydiff.model import PRESETS
+
+KINDS = ("mdlm", "ar", "mdlm-moe", "dflash", "eagle3")
+DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
+DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")
+STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
+GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate)",
+          "distill": "distillation for parallel decoding (mdlm, mdlm-moe; tinydiff/distill.py)",
+          "moe": "mdlm-moe"}
+
+
+def layer_ids(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: argparse reports a ValueError here as a one-line usage error."""
+    return [int(i) for i in text.split(",")]
+
+
+def setting(default, help: str, group: str = "", **argparse_options):
+    """A RunConfig field: its default, its --help text, its group in --help, argparse's type/choices."""
+    return field(default=default, metadata={"help": help, "group": group, **argparse_options})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = setting("mdlm", "what to train: mdlm, the masked-diffusion LM; ar, the AR model; mdlm-moe, "
+                         "the diffusion LM with experts; dflash or eagle3, a drafter for --target", choices=KINDS)
+    preset: str | None = setting(None, "model size (default: 13m on CUDA, tiny on CPU)", choices=sorted(PRESETS))
+    context: int | None = setting(None, "override the preset's context length (tokens per window)", type=int)
+    data: str | None = setting(None, "TinyStories-train.txt-format file (default: download from Hugging Face)")
+    max_steps: int = setting(5000, "optimizer steps", type=int)
+    batch_size: int = setting(32, "windows per step", type=int)
+    lr: float = setting(3e-3, "peak learning rate", type=float)
+    min_lr: float | None = setting(None, "final learning rate of the cosine (default lr / 10)", type=float)
+    warmup: int = setting(100, "linear warmup steps", type=int)
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", type=float)
+    grad_clip: float = setting(1.0, "clip the gradient norm to this", type=float)
+    seed: int = setting(1337, "seeds initialisation and the data order", type=int)
+    eval_every: int = setting(250, "validate every N steps", type=int)
+    eval_batches: int = setting(8, "validation batches", type=int)
+    init: str | None = setting(None, "start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
+    noise_block: int | None = setting(None, "mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
+                                      "prefix (block diffusion, what the cached block sampler meets; default: one "
+                                      "per window)", type=int)
+    target: str | None = setting(None, "the AR target checkpoint the draft or drafter learns to draft for", "drafter")
+    block_size: int = setting(16, "B: the drafter fills B-1 slots per forward", "drafter", type=int)
+    regenerate: int | None = setting(None, "train on N stories --target writes from story openings", "drafter",
+                                     type=int)
+    openings: str = setting("corpus", "--regenerate's story openings: the corpus's, or sampled by the target",
+                            "drafter", choices=("corpus", "target"))
+    steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=int)
+    drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
+                                         type=int)
+    feature_layers: list[int] | None = setting(None, "dflash: target layers to read, e.g. 1,2,4 (default: the "
+                                               "paper's rule, N = min(5, L-3))", "drafter", type=layer_ids)
+    distill: str | None = setting(None, "train a student, from this diffusion LM's weights, on the stories it "
+                                  "writes one token per step, to be sure of several tokens per forward", "distill",
+                                  metavar="TEACHER_CKPT")
+    distill_stories: int | None = setting(None, "stories the teacher writes (default 1000)", "distill", type=int)
+    certainty_weight: float | None = setting(None, "beta of dParallel's certainty term (default 2; 0 = plain "
+                                             "masked cross-entropy)", "distill", type=float)
+    teacher_temperature: float | None = setting(None, "the teacher writes at this temperature (default 1, the "
+                                                "quality tool's; 0: greedy, dParallel's)", "distill", type=float)
+    distill_loss: str | None = setting(None, "certainty (dParallel, default) or tad (far positions learn the "
+                                       "teacher's distribution)", "distill", choices=LOSSES)
+    anchor_weight: float | None = setting(None, "add this times the model's own loss on corpus windows to each "
+                                          "step, to keep the student a model of the corpus (default 0: none)",
+                                          "distill", type=float)
+    experts: int | None = setting(None, "routed experts per layer (default 32)", "moe", type=int)
+    top_k: int | None = setting(None, "routed experts per token (default 3)", "moe", type=int)
+    routing: str = setting("token", "expert routing", "moe", choices=("token", "block"))
+    route_threshold: float = setting(0.6, "block routing: coreset mass", "moe", type=float)
+    route_guard: int = setting(4, "block routing: at least this many experts", "moe", type=int)
+    route_mask_vote: float = setting(1.0, "block routing: a MASK token's vote in its block's coreset, against a "
+                                     "committed token's 1 (1 is the paper's rule)", "moe", type=float)
+
+    def __post_init__(self):
+        for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
+            if getattr(self, key) < 1:
+                raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        for key in ("lr", "min_lr", "weight_decay", "grad_clip", "route_threshold", "route_mask_vote"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise UserError(f"--{key.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if not self.distill and any(getattr(self, key) is not None for key in DISTILL_TUNING):
+            raise UserError("--distill-stories, --certainty-weight, --distill-loss, --teacher-temperature and "
+                            "--anchor-weight tune --distill TEACHER_CKPT: add it")
+        if self.openings == "target" and not self.regenerate:
+            raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
+
+
+SETTINGS = tuple(f.name for f in fields(RunConfig))
+
+
+def add_flags(parser: argparse.ArgumentParser):
+    """One flag per RunConfig field, each defaulting to None (unset: the run or the checkpoint decides),
+    its help naming the field's default."""
+    groups = {"": parser, **{key: parser.add_argument_group(title) for key, title in GROUPS.items()}}
+    for f in fields(RunConfig):
+        options = {k: v for k, v in f.metadata.items() if k not in ("help", "group")}
+        text = f.metadata["help"]
+        if f.default is not None and "default" not in text:
+            text += f" (default {f.default})"
+        groups[f.metadata["group"]].add_argument(f"--{f.name.replace('_', '-')}", help=text, **options)
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The run settings the command line set (flags left unset are absent)."""
+    return {key: getattr(args, key) for key in SETTINGS if getattr(args, key) is not None}
+
+
+def new_run(args: argparse.Namespace, preset: str) -> dict:
+    """A new run's settings: the flags given, every other field's default; `preset` when none is given."""
+    run = RunConfig(**given_settings(args))
+    run = asdict(run)
+    run["preset"] = run["preset"] or preset
+    run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
+    return run
+
+
+def migrate(stored: dict, path) -> dict:
+    """A checkpoint's run settings, complete: keys older checkpoints lack get their field's default
+    (what those runs did), and settings this code does not know are an error."""
+    unknown = sorted(set(stored) - set(SETTINGS))
+    if unknown:
+        raise UserError(f"{path} holds run settings this code does not know ({', '.join(unknown)}); it was "
+                        "written by another version of tinydiff")
+    defaults = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
+    return asdict(RunConfig(**{**defaults, **stored}))
