@@ -6,8 +6,9 @@ import importlib
 import pytest
 
 import generate
-import train
-from tinydiff import bench, quality
+from tinydiff import trainer as train
+from tinydiff import quality
+from tinydiff.bench import table as bench
 
 
 def kernel_bench(argv):  # imported when called: Triton must not load before the kernel tests set its mode

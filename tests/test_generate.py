@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinydiff import bench
+from tinydiff.bench import table as bench
 from tinydiff.checkpoint import save_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer

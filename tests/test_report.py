@@ -1,4 +1,4 @@
-"""Spec: `python -m tinydiff.bench --report DIR` (tinydiff/report.py). From nothing it trains every
+"""Spec: `python -m tinydiff.bench --report DIR` (tinydiff/bench/report.py). From nothing it trains every
 model the bench uses (continuing a run that Ctrl-C stopped), runs every method, and writes its
 section of DIR/RESULTS.md between the markers, keeping the hand-written rest of the file byte for
 byte; a second run reuses the trained models and replaces the section; plots appear exactly when
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import train
+from tinydiff import trainer as train
 from conftest import write_stories
-from tinydiff import bench
+from tinydiff.bench import table as bench
 from tinydiff.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.report import END, PLOTS, ROLES, START, splice
+from tinydiff.bench.report import END, PLOTS, ROLES, START, splice
 
 HAND = "\nEvery number here was measured.\n\n## An older section\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
 

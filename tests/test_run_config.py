@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import train
+from tinydiff import trainer as train
 from tinydiff.errors import UserError
 from tinydiff.run_config import KINDS, SETTINGS, RunConfig, given_settings, migrate, new_run
 

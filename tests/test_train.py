@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
+from tinydiff import trainer as train
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.errors import UserError
 

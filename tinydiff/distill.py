@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from tinydiff import progress
 from tinydiff.checkpoint import load_checkpoint, load_model, model_from
 from tinydiff.data import sample_windows
 from tinydiff.diffusion import subs_logits
@@ -127,7 +127,7 @@ def write_trajectories(teacher, tokens, config: DistillConfig, seed: int, desc="
     generator = torch.Generator(teacher.embed.weight.device).manual_seed(seed)
     out = np.full((config.stories, 2, S), PAD, dtype=np.int32)
     out[:, 0] = EOT
-    for i in tqdm(range(config.stories), desc=desc, unit="story"):
+    for i in progress.bar(range(config.stories), desc=desc, unit="story"):
         prompt = [EOT] + openings[i][:lengths[i]]
         steps = [PROMPT] * len(prompt) + [0] * (G * N)
         taken = {}  # block -> steps taken in it so far

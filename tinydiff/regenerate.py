@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from tinydiff import progress
 from tinydiff.errors import UserError
 from tinydiff.sampling import next_token_probs, sample
 from tinydiff.tokenizer import EOT
@@ -83,7 +83,7 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     prompts = [[EOT]] * n if sampled_openings else [[EOT] + p for p in story_openings(tokens, n, opening, seed)]
     sample_first = opening if sampled_openings else 0
     out = []
-    bar = tqdm(total=n, desc="regenerating", unit="story")
+    bar = progress.bar(total=n, desc="regenerating", unit="story")
     for i in range(0, n, batch_size):
         chunk = prompts[i:i + batch_size]
         for prompt, ids in zip(chunk, continue_batch(target, chunk, temperature, generator, sample_first)):

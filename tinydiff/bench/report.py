@@ -8,7 +8,7 @@
    missing, resumes when a run was interrupted, and reuses when finished with this preset's
    settings. The draft, the DFlash drafter and the EAGLE-3 head learn the target's own text
    (--regenerate, written once); the diffusion LM starts from the target's weights.
-2. Methods. Every --methods entry (bench_methods.METHODS) decodes the same held-out story openings:
+2. Methods. Every --methods entry (methods.METHODS) decodes the same held-out story openings:
    EOT + the first 8 tokens of stories from the validation split, the form the drafters trained on.
 3. Output. The generated section of DIR/RESULTS.md (device, commit, date, models, one table) sits
    between the marker lines START and END below; the rest of the file is hand-written and is kept
@@ -30,15 +30,13 @@ import sys
 from contextlib import redirect_stdout
 from importlib.util import find_spec
 from pathlib import Path
-from unittest import mock
 
 import torch
 from tqdm import tqdm
 
-import train
-from tinydiff import regenerate
-from tinydiff.bench import device_name, heldout_nll, load_models, measure
-from tinydiff.bench_methods import METHODS, USES
+from tinydiff import progress, regenerate, trainer
+from tinydiff.bench.measure import device_name, heldout_nll, load_models, measure
+from tinydiff.bench.methods import METHODS, USES
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.errors import UserError
@@ -111,7 +109,7 @@ def plan_models(args, plan: dict, root: Path) -> dict:
 
 def steps_left(path: Path, argv: list[str]) -> int:
     """Training steps still to run for `argv`; an existing run trained otherwise is an error."""
-    wanted = vars(train.parse_args(argv))
+    wanted = vars(trainer.parse_args(argv))
     if not path.exists():
         return wanted["max_steps"]
     ckpt = load_checkpoint(path)
@@ -124,8 +122,8 @@ def steps_left(path: Path, argv: list[str]) -> int:
 
 
 def stand_in_bar(bar, stage: str):
-    """A stand-in for the tqdm class inside train.py and regenerate.py: their steps advance the
-    report's one bar (one ETA for the whole run); their lines go to stdout, the stage's log."""
+    """A stand-in for the library's tqdm bars (tinydiff.progress) while a model trains: their steps
+    advance the report's one bar (one ETA for the whole run); their lines go to stdout, the stage's log."""
 
     class Inner:
         def __init__(self, iterable=None, desc="", **_):  # total, initial: in the report's total already
@@ -164,9 +162,8 @@ def train_missing(plans: dict, bar):
             argv = job["argv"] + (["--resume"] if path.exists() else [])
             bar.write(f"{role}: training {path} (log: {path.parent / 'train.log'})")
             Inner = stand_in_bar(bar, f"train {role}")
-            with open(path.parent / "train.log", "a") as log, redirect_stdout(log), \
-                    mock.patch.object(train, "tqdm", Inner), mock.patch.object(regenerate, "tqdm", Inner):
-                train.main(argv)
+            with open(path.parent / "train.log", "a") as log, redirect_stdout(log), progress.routed_to(Inner):
+                trainer.main(argv)
             if steps_left(path, job["argv"]) > 0:  # train.py saves and returns on Ctrl-C
                 raise UserError(f"interrupted while training {path}; run the same command again to continue")
         if "--regenerate" in job["argv"] and all((path.parent / name).exists() for name in regenerate.FILES):

@@ -1,0 +1,130 @@
+"""What the benchmark tools share: the fixed prompts, the models they time (trained checkpoints, or
+untrained stand-ins that time the same work), one method's totals over the prompts (`measure`),
+held-out NLL and bits per byte, and the device's name for the tables.
+"""
+import math
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tinydiff.bench.methods import MEANS
+from tinydiff.block_diffusion import diffusion_elbo
+from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.data import eval_windows, load_tokens, prepare_tokens
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
+from tinydiff.dmoe import MoETransformer, moe_config, set_routing
+from tinydiff.eagle import EagleConfig, EagleHead, head_from
+from tinydiff.model import Transformer, preset
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "Tom and his dog went to the park.",
+    "One day, a big bear found a red ball in the forest.",
+    "Sam wanted to help his mom in the kitchen.",
+]
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:  # Linux names the CPU model here; platform only knows the architecture
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"{cpu} CPU, {threads} thread{'s' * (threads != 1)}"
+
+
+def measure(method, models, prompts, args) -> dict:
+    """Sum a method's counts over all prompts (after one untimed warm-up run).
+
+    Every method reports new_tokens, seconds and target_forwards; speculative ones also an
+    accepted-count histogram, the drafts proposed and, for chains, the rounds that rejected one,
+    from which alpha (accepted / judged) follows.
+    """
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    method(models, prompts[0], args, generator)
+    totals = {}
+    for prompt in prompts:
+        generator.manual_seed(args.seed)
+        for key, value in method(models, prompt, args, generator).items():
+            if isinstance(value, list):
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(value)), value)]
+            else:
+                totals[key] = totals.get(key, 0) + value
+    row = {"tokens_per_s": totals["new_tokens"] / totals["seconds"],
+           "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
+           "tau": totals["new_tokens"] / totals["target_forwards"]}
+    row.update({key: totals[key] / len(prompts) for key in MEANS if key in totals})
+    if "nodes" in totals:  # a tree's verify cost: nodes per round (alpha is not defined for trees)
+        row["nodes_per_round"] = totals["nodes"] / totals["rounds"]
+    if "hits" in totals:
+        row["hit_rate"] = sum(totals["hits"]) / max(1, sum(totals["lookups"]))
+        row["modelled_speedup_vs_spec"] = totals["modelled_seconds_sd"] / totals["modelled_seconds_ssd"]
+    if "draft_seconds" in totals:  # the loop's own costs, for Leviathan's formula with real prices
+        row["seconds_per_draft"] = totals["draft_seconds"] / totals["proposed"]
+        row["seconds_per_verify"] = totals["verify_seconds"] / totals["target_forwards"]
+    if "accepted" in totals:
+        row["accepted_hist"] = totals["accepted"]
+        accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
+        judged = accepted + totals.get("rejected", 0)
+        row["alpha"] = accepted / judged if "rejected" in totals and judged else None
+    return row
+
+
+def load_models(args) -> dict:
+    models = {}
+    for name, path, kind, size in (("target", args.ckpt, "ar", "tiny"), ("draft", args.draft, "ar", "draft"),
+                                   ("mdlm", args.mdlm, "mdlm", "tiny"), ("distilled", args.distilled, "mdlm", "tiny")):
+        if path:
+            models[name], _ = load_model(path, args.device, kinds=(kind,))
+        else:
+            print(f"notice: no checkpoint for the {name} model, timing an untrained '{size}' one "
+                  "(speeds are real, text is not)", file=sys.stderr)
+            torch.manual_seed(args.seed)
+            models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
+    if args.drafter:
+        models["drafter"] = drafter_from(load_checkpoint(args.drafter), models["target"], args.drafter)
+    else:
+        print("notice: no --drafter, timing an untrained DFlash drafter", file=sys.stderr)
+        models["drafter"] = DFlashDrafter(DFlashConfig.for_target(models["target"].config), models["target"])
+    if args.eagle:
+        models["eagle"] = head_from(load_checkpoint(args.eagle), models["target"], args.eagle)
+    else:
+        print("notice: no --eagle, timing an untrained EAGLE-3 head", file=sys.stderr)
+        models["eagle"] = EagleHead(EagleConfig.for_target(models["target"].config), models["target"])
+    if args.moe:
+        models["moe"], _ = load_model(args.moe, args.device, kinds=("mdlm-moe",))
+    else:
+        print("notice: no checkpoint for the moe model, timing an untrained one", file=sys.stderr)
+        models["moe"] = MoETransformer(moe_config("tiny")).to(args.device).eval()
+    return models
+
+
+@torch.no_grad()
+def heldout_nll(models, args, tokenizer, wanted) -> dict:
+    """(nats/token, bits/byte) on 16 windows of --data's validation split, for each `wanted` model
+    ("target", "mdlm", "distilled", "moe-token", "moe-block"): exact for the AR model, the ELBO bound (4 noise
+    draws; block diffusion's for a model trained with --noise-block) for the diffusion LMs, the MoE
+    one under each routing."""
+    _, val_path = prepare_tokens(args.data)
+    out = {}
+    scored_models = [(name, models["moe"] if name.startswith("moe-") else models[name]) for name in wanted]
+    for name, model in scored_models:
+        if name.startswith("moe-"):
+            set_routing(model, name[len("moe-"):])
+        windows = eval_windows(load_tokens(val_path), 16, model.config.context).to(args.device)
+        if name == "target":
+            logits = model(windows[:, :-1], causal=True)
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+            scored = windows[:, 1:]
+        else:
+            nll = diffusion_elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
+            scored = windows[:, 1:] if model.config.shift else windows  # diffusion.scored_tokens
+        n_bytes = sum(len(tokenizer.decode(row).encode()) for row in scored.tolist())
+        out[name] = (nll, nll * scored.numel() / (n_bytes * math.log(2)))
+    return out

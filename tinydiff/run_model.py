@@ -1,0 +1,107 @@
+"""The model a training run trains, from its settings (tinydiff/run_config.py): fresh from a
+preset, continued from --init's weights (an AR checkpoint adapted to diffusion with Dream's shift),
+a drafter around a frozen --target, a distillation student, or the checkpoint of a resumed run.
+Shape flags that contradict --init's checkpoint are errors, never silently ignored.
+"""
+from dataclasses import replace
+
+from tinydiff.checkpoint import load_checkpoint, load_model, model_from
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
+from tinydiff.distill import student_from
+from tinydiff.dmoe import MoETransformer, moe_config, set_routing
+from tinydiff.eagle import EagleConfig, EagleHead, head_from
+from tinydiff.errors import UserError
+from tinydiff.model import Transformer, preset
+
+
+def load_target(run: dict, device: str):
+    """The frozen AR target a drafter (DFlash, EAGLE-3, an AR draft) trains against."""
+    if not run["target"]:
+        raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
+                        "the AR model to draft for")
+    target, _ = load_model(run["target"], device, kinds=("ar",))
+    return target.requires_grad_(False)
+
+
+def init_checkpoint(run: dict) -> dict:
+    """--init's checkpoint, when it holds the run's kind of model (or AR weights for an MDLM to adapt)."""
+    init = load_checkpoint(run["init"])
+    if init["kind"] != run["model"] and not (init["kind"] == "ar" and run["model"] == "mdlm"):
+        raise UserError(f"--init {run['init']} holds a {init['kind']} model, not {run['model']}")
+    return init
+
+
+def check_init_shape(run: dict, config, wanted: dict):
+    """A model continued from --init keeps its shape: a flag asking for another one is an error."""
+    for key, value in wanted.items():
+        if getattr(config, key) != value:
+            flag = {"n_layer": "drafter-layers", "n_experts": "experts", "moe_top_k": "top-k"}.get(key, key)
+            raise UserError(f"--init {run['init']} has {key} {getattr(config, key)}, this run asks for {value}; "
+                            f"pass --{flag.replace('_', '-')} to match, or start without --init")
+
+
+def build_model(run: dict, device: str, ckpt=None, path=None):
+    """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
+    if (run["feature_layers"] or run["drafter_layers"] is not None) and run["model"] != "dflash":
+        raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
+                        "fusing 3 fixed target layers)")
+    if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
+        raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
+    from_init = run["model"] in ("dflash", "eagle3") and run["init"] and ckpt is None
+    if from_init:  # a new run that continues a drafter's weights
+        ckpt, path = init_checkpoint(run), run["init"]
+    if run["model"] == "dflash":
+        target = load_target(run, device)
+        given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"]}
+        overrides = {key: value for key, value in given.items() if value is not None}
+        if ckpt is None:
+            return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
+                                 target)
+        drafter = drafter_from(ckpt, target, path)
+        if from_init:
+            check_init_shape(run, drafter.config, {"block_size": run["block_size"], **overrides})
+        return drafter
+    if run["model"] == "eagle3":
+        target = load_target(run, device)
+        if ckpt is None:
+            return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
+        head = head_from(ckpt, target, path)
+        if from_init:
+            check_init_shape(run, head.config, {"steps_ahead": run["steps_ahead"]})
+        return head
+    moe_shape = {key: value for key, value in (("n_experts", run["experts"]), ("moe_top_k", run["top_k"]))
+                 if value is not None}
+    if moe_shape and run["model"] != "mdlm-moe":
+        raise UserError("--experts and --top-k apply to --model mdlm-moe only")
+    if ckpt is not None:
+        return model_from(ckpt, path, device)
+    if run["distill"]:
+        if run["model"] not in ("mdlm", "mdlm-moe"):
+            raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
+        model = student_from(run["distill"], run["model"], run["init"], device)
+    elif run["init"]:
+        init = init_checkpoint(run)
+        adapt = init["kind"] == "ar" and run["model"] == "mdlm"
+        model = model_from(init, run["init"], device)
+        check_init_shape(run, model.config, moe_shape)
+        if adapt:  # AR-to-diffusion adaptation (Dream 7B): the AR weights, bidirectional attention, and
+            # the AR head's alignment kept (output i predicts token i+1; see tinydiff/diffusion.py)
+            model.config = replace(model.config, causal=False, shift=True)
+    elif run["model"] == "mdlm-moe":
+        overrides = {"context": run["context"]} if run["context"] else {}
+        model = MoETransformer(moe_config(run["preset"], **overrides, **moe_shape)).to(device)
+    else:
+        overrides = {"context": run["context"]} if run["context"] else {}
+        model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
+    if run["model"] == "mdlm-moe":
+        set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
+                    mask_vote=run["route_mask_vote"])
+    elif run["routing"] != "token":
+        raise UserError("--routing applies to --model mdlm-moe only")
+    if run["noise_block"] is not None:  # None keeps --init's objective
+        block, context = run["noise_block"], model.config.context
+        if block < 0 or (block and context % block):
+            raise UserError(f"--noise-block takes 0 (one noise level per window) or a block that divides the "
+                            f"context of {context}; got {block}")
+        model.config = replace(model.config, noise_block=block)
+    return model

@@ -1,0 +1,216 @@
+"""train.py's program: the run's settings from the flags or the checkpoint, the model, the data
+(corpus windows, the target's regenerated stories, or a teacher's trajectories), and the loop.
+
+AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on CUDA only.
+Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
+A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
+drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states. Progress bars
+come from tinydiff.progress, so a tool running several trainings (the report) can route them.
+"""
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from tinydiff import progress
+from tinydiff.ar import ar_generate, ar_loss
+from tinydiff.block_diffusion import diffusion_loss
+from tinydiff.checkpoint import StopOnSignal, load_checkpoint, save_checkpoint
+from tinydiff.cli import add_device, make_parser
+from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
+from tinydiff.dflash import dflash_loss
+from tinydiff.dflash_decode import dflash_generate
+from tinydiff.distill import distill_run
+from tinydiff.dmoe import mdlm_moe_loss
+from tinydiff.eagle import eagle_loss
+from tinydiff.eagle_decode import eagle_generate
+from tinydiff.errors import UserError
+from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
+from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, given_settings, migrate, new_run
+from tinydiff.run_model import build_model, load_target
+from tinydiff.sampler import generate, generate_cached
+from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.training import evaluate, lr_at, make_optimizer
+
+# kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
+OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
+              "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
+
+
+def parse_args(argv=None):
+    p = make_parser("python train.py", "Train a tinydiff model on TinyStories.")
+    add_flags(p)  # the run settings (tinydiff/run_config.py); below, how to run it
+    p.add_argument("--cache-dir", default="data", help="token cache when the data's folder is not writable, and for Hugging Face")
+    p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
+    p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
+    add_device(p)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    return p.parse_args(argv)
+
+
+def defaults(args, device: str) -> dict:
+    """A new run's settings: the flags given, RunConfig's defaults for the rest."""
+    run = new_run(args, "13m" if device.startswith("cuda") else "tiny")
+    if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
+        print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
+    given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
+    if run["distill"] and given:
+        raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
+    return run
+
+
+def resumed_settings(args, ckpt: dict, path) -> dict:
+    """The checkpoint's run settings; a flag that contradicts them is an error, not a silent change."""
+    run = migrate(ckpt["args"], path)
+    for key, given in given_settings(args).items():
+        if given != run[key]:
+            raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
+                            f"({run[key]}); drop the flag to resume, or start a new run with another --out")
+    return run
+
+
+@torch.no_grad()
+def sample_story(model, kind: str, tokenizer, seed: int) -> str:
+    """A short story from the model as it is now: the same prompt and seed at every evaluation."""
+    model.eval()
+    prompt = [EOT] + tokenizer.encode("Once upon a time")
+    n = min(48, model.config.context - len(prompt))
+    if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
+        decode, chain = (dflash_generate, {}) if kind == "dflash" else (eagle_generate, {"k": 4})
+        ids, stats = decode(model.target, model, prompt, n, stop_token=None, **chain)
+        model.train()
+        return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
+    generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
+    if kind.startswith("mdlm") and model.config.noise_block:  # sampled as it was trained: block by block
+        block = model.config.noise_block
+        n = max(block, n - n % block)
+        ids, _ = generate_cached(model, prompt, gen_length=n, steps=n, block_length=block, generator=generator)
+    elif kind.startswith("mdlm"):
+        ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
+    else:
+        ids, _ = ar_generate(model, prompt, n, temperature=0.8, top_k=50, generator=generator)
+    model.train()
+    return "Once upon a time" + tokenizer.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA GPU is visible; pass --device cpu")
+    out = Path(args.out) if args.out else None
+    ckpt = None
+    if args.resume:
+        if out is None:
+            raise UserError("--resume needs --out, the folder of the run to continue")
+        ckpt = load_checkpoint(out / "ckpt.pt")
+        if "optimizer" not in ckpt or "args" not in ckpt:
+            raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
+        run = resumed_settings(args, ckpt, out / "ckpt.pt")
+    else:
+        run = defaults(args, device)
+        out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
+        if (out / "ckpt.pt").exists():
+            raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
+    loss_fn, extra = OBJECTIVES[run["model"]]
+
+    torch.manual_seed(run["seed"])
+    model = build_model(run, device, ckpt, out / "ckpt.pt")
+    config = model.config
+    if run["model"] in DRAFTERS:
+        shape = f"B {config.block_size}" if run["model"] == "dflash" else f"K {config.steps_ahead}"
+        print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
+              f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
+    else:
+        name = f"student of {run['distill']}" if run["distill"] else run["preset"]
+        print(f"model: {run['model']} {name} | params {model.num_params():,} "
+              f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
+    tokenizer = Tokenizer()
+    train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
+    train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
+    if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
+        if run["model"] not in (*DRAFTERS, "ar"):
+            raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
+                            "with --target")
+        target = model.target if run["model"] in DRAFTERS else load_target(run, device)
+        out.mkdir(parents=True, exist_ok=True)
+        train_file, val_file = (out / name for name in REGENERATED)
+        text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
+                                  run["openings"] == "target")
+        train_tokens = trim_loops(text)
+        print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
+        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
+    window = config.context + extra
+
+    def draw(step: int):  # batch `step`, from (seed, step) alone
+        return sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
+
+    if run["distill"]:  # the teacher's stories and the states inside them replace the windows
+        out.mkdir(parents=True, exist_ok=True)
+        loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
+    else:
+        val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
+
+    optimizer = make_optimizer(model, run)
+    step = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step = ckpt["step"]
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        print(f"resuming {out / 'ckpt.pt'} at step {step}")
+    # bf16 autocast only where the GPU has bf16 units (not a T4: emulated bf16 is slower than fp32).
+    fast_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fast_bf16 else nullcontext()
+
+    def save():
+        rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+        save_checkpoint(out / "ckpt.pt", kind=run["model"], config=config, model=model,
+                        optimizer=optimizer.state_dict(), step=step, rng=rng,
+                        data={"seed": run["seed"], "index": step}, args=run)
+
+    with StopOnSignal() as stop:
+        tokens_per_step = run["batch_size"] * config.context
+        steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation excluded
+        bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
+        model.train()
+        while step < run["max_steps"]:
+            t0 = time.perf_counter()
+            lr = lr_at(step, run)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            windows = draw(step)
+            # The noise of step i comes from (seed, i) alone, like its batch: resuming replays it.
+            noise = torch.Generator(device).manual_seed(run["seed"] * 998_244_353 + step)
+            with autocast:
+                loss, _ = loss_fn(model, windows, noise)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run["grad_clip"])
+            optimizer.step()
+            step += 1
+            steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
+            tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+            if step % run["eval_every"] == 0 or step == run["max_steps"]:
+                stats = evaluate(model, loss_fn, val_windows, run["batch_size"], autocast)
+                if "elbo" in stats:  # the bound's exp bounds the perplexity; masked_ce's does not
+                    stats["ppl<="] = math.exp(stats["elbo"])
+                bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
+                          + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+                bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
+            if step % args.ckpt_every == 0 or step == run["max_steps"]:
+                save()
+            if stop.requested:
+                save()
+                bar.close()
+                print(f"interrupted: saved step {step} to {out / 'ckpt.pt'}; continue with "
+                      f"python train.py --out {out} --resume")
+                return
+    bar.close()
+    rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
+    print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'}")
