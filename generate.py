@@ -31,15 +31,16 @@ import sys
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.checkpoint import load_checkpoint
 from tinydiff.cli import add_device, make_parser
-from tinydiff.dflash import drafter_from
 from tinydiff.ddtree import ddtree_generate
+from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, routing_from_flags
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.kinds import load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate

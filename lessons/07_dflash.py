@@ -26,7 +26,8 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.checkpoint import load_checkpoint, load_model  # noqa: E402
+from tinydiff.checkpoint import load_checkpoint  # noqa: E402
+from tinydiff.kinds import load_model  # noqa: E402
 from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_loss, draft_block,  # noqa: E402
                              drafter_from, feature_layers, training_mask)
 from tinydiff.dflash_decode import dflash_generate, sample_and_match  # noqa: E402

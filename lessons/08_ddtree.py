@@ -25,7 +25,8 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.checkpoint import load_checkpoint, load_model  # noqa: E402
+from tinydiff.checkpoint import load_checkpoint  # noqa: E402
+from tinydiff.kinds import load_model  # noqa: E402
 from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree  # noqa: E402
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, draft_block, drafter_from  # noqa: E402
 from tinydiff.dflash_decode import dflash_generate  # noqa: E402

@@ -28,7 +28,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_loss  # noqa: E402
-from tinydiff.checkpoint import load_model  # noqa: E402
+from tinydiff.kinds import load_model  # noqa: E402
 from tinydiff.curve import agreement, greedy_texts  # noqa: E402
 from tinydiff.diffusion import mdlm_loss, subs_logits  # noqa: E402
 from tinydiff.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402

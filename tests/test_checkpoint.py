@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tinydiff import checkpoint
-from tinydiff.checkpoint import load_checkpoint, load_model, save_checkpoint
+from tinydiff.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.errors import UserError
+from tinydiff.kinds import load_model
 from tinydiff.model import Transformer
 
 

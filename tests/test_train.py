@@ -296,7 +296,7 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     import numpy as np
     stories = np.load(tmp_path / "full" / "trajectories.npy")
     assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 2
-    from tinydiff.checkpoint import load_model
+    from tinydiff.kinds import load_model
     from tinydiff.sampler import generate_cached
     tokens, steps = stories[0][:, stories[0][1] != -2]  # the teacher wrote greedily, as asked
     prompt = tokens[steps == -1].tolist()

@@ -1,9 +1,9 @@
-"""Checkpoints: atomic save, safe load, and rebuilding a model from one.
+"""Checkpoints: atomic save and safe load (tinydiff/kinds.py rebuilds the model one holds).
 
 A checkpoint is a plain dict of tensors and Python primitives, so `torch.load(weights_only=True)`
 can read it without unpickling code:
   format, version   marks the file as ours
-  kind              "ar" (later: "mdlm", drafters, ...): which objective trained it
+  kind              "ar", "mdlm", "mdlm-moe", "dflash", "eagle3": which objective trained it
   config            the ModelConfig as a dict
   model             the state dict
   optimizer         AdamW state (absent in weights-only exports)
@@ -17,14 +17,13 @@ step and save on Ctrl-C / SIGTERM instead of dying mid-step.
 """
 import os
 import signal
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from tinydiff.dmoe import MoEConfig, MoETransformer
 from tinydiff.errors import UserError
-from tinydiff.model import ModelConfig, Transformer
+from tinydiff.model import ModelConfig
 
 FORMAT = "tinydiff-checkpoint"
 VERSION = 1
@@ -56,7 +55,7 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch's weights-only unpickler raises many types on garbage bytes
         raise UserError(f"{path} is not a readable checkpoint (truncated or not a torch file: "
-                        f"{_brief(e)}); re-run training or pick another file") from None
+                        f"{brief_error(e)}); re-run training or pick another file") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UserError(f"{path} is not a tinydiff checkpoint (no '{FORMAT}' marker); pass one written by train.py")
     if ckpt.get("version") != VERSION:
@@ -64,41 +63,9 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     return ckpt
 
 
-def _brief(error: Exception, limit: int = 160) -> str:
+def brief_error(error: Exception, limit: int = 160) -> str:
     """An exception's message squeezed onto one short line."""
     return " ".join(str(error).split())[:limit]
-
-
-# kind -> (config class, model class); every other kind is a plain Transformer
-ARCHITECTURES = {"mdlm-moe": (MoEConfig, MoETransformer)}
-
-
-def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
-    config_class, _ = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
-    known = {f.name for f in fields(config_class)}
-    unknown = set(ckpt["config"]) - known
-    if unknown:
-        raise UserError(f"{path}: config has fields this code does not know ({', '.join(sorted(unknown))})")
-    return config_class(**ckpt["config"])
-
-
-def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
-    """Build the model a checkpoint describes and load its weights."""
-    _, model_class = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
-    model = model_class(config_from(ckpt, path))
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit its config ({_brief(e)})") from None
-    return model.to(device)
-
-
-def load_model(path, device="cpu", kinds=None):
-    """(model in eval mode, checkpoint dict); `kinds` lists the acceptable checkpoint kinds."""
-    ckpt = load_checkpoint(path)
-    if kinds is not None and ckpt.get("kind") not in kinds:
-        raise UserError(f"{path} holds a {ckpt.get('kind')!r} model; this needs one of: {', '.join(kinds)}")
-    return model_from(ckpt, path, device).eval(), ckpt
 
 
 class StopOnSignal:

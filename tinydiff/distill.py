@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff import progress
-from tinydiff.checkpoint import load_checkpoint, load_model, model_from
+from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import sample_windows
 from tinydiff.diffusion import subs_logits
 from tinydiff.dmoe import balance_loss
 from tinydiff.errors import UserError
+from tinydiff.kinds import load_model, model_from
 from tinydiff.model import wide
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate_cached

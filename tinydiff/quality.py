@@ -21,13 +21,13 @@ from importlib.util import find_spec
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.checkpoint import load_model
 from tinydiff.cli import add_device, make_parser
 from tinydiff.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
 from tinydiff.judge import distinct_n, perplexity_interval, sample_and_judge, sample_nlls, story  # noqa: F401
+from tinydiff.kinds import load_model
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer

@@ -5,12 +5,13 @@ Shape flags that contradict --init's checkpoint are errors, never silently ignor
 """
 from dataclasses import replace
 
-from tinydiff.checkpoint import load_checkpoint, load_model, model_from
+from tinydiff.checkpoint import load_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.distill import student_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
+from tinydiff.kinds import load_model, model_from
 from tinydiff.model import Transformer, preset
 
 

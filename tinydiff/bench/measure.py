@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from tinydiff.bench.methods import MEANS
 from tinydiff.block_diffusion import diffusion_elbo
-from tinydiff.checkpoint import load_checkpoint, load_model
+from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
+from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 
 PROMPTS = [
