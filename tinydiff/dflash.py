@@ -34,8 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinydiff.drafter import ExtraKVBlock, check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
-from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 PUBLISHED_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}  # block size B -> loss decay g (the paper's choices)
@@ -105,50 +106,6 @@ class DFlashConfig:
         return cls(**{**dims, **overrides})
 
 
-def target_dims(t: ModelConfig) -> dict:
-    """The target dimensions a drafter built around it copies (DFlash here, EAGLE-3 too)."""
-    return dict(vocab_size=t.vocab_size, context=t.context, d_model=t.d_model, target_layers=t.n_layer,
-                n_head=t.n_head, d_ff=t.d_ff, rope_base=t.rope_base, norm_eps=t.norm_eps)
-
-
-def check_target(config, target, what: str = "drafter"):
-    """The target must have the dimensions the drafter (a DFlash or EAGLE-3 config) was built for."""
-    t = target.config
-    want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
-            "context": config.context}
-    for name, value in want.items():
-        if getattr(t, name) != value:
-            raise UserError(f"this {what} was built for a target with {name}={value}, but this target has "
-                            f"{getattr(t, name)}; pass the target checkpoint the {what} was trained against")
-
-
-def init_around(drafter: nn.Module, target: Transformer, n_layer: int):
-    """A drafter's own weights initialised as the target's were (residual outputs scaled down by
-    sqrt(2 n_layer)), its final norm copied from the target's, and the drafter moved to its device.
-    Shared by the drafters built around a target (DFlash, EAGLE-3)."""
-    drafter.apply(Transformer._init_weights)
-    for name, p in drafter.named_parameters():
-        if name.endswith(("wo.weight", "down.weight")):
-            nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
-    with torch.no_grad():
-        drafter.norm.weight.copy_(target.norm.weight)
-    drafter.to(target.embed.weight.device)
-
-
-class DrafterLayer(Block):
-    """A target-style block (same modules) whose attention also reads the context's keys/values."""
-
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        B, T, D = x.shape
-        a, h = self.attn, self.attn_norm(x)
-        q, k, v = (w(h).view(B, T, a.n_head, -1).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D/H)
-        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)  # (B, H, S + T, D/H): context first
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # no mask: every key is visible
-        x = x + a.wo(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.ffn(self.ffn_norm(x))
-
-
 class DFlashDrafter(nn.Module):
     def __init__(self, config: DFlashConfig, target: Transformer):
         super().__init__()
@@ -165,7 +122,7 @@ class DFlashDrafter(nn.Module):
             raise UserError(f"d_model {D} must split into {H} heads of even size")
         self.fc = nn.Linear(config.n_features * D, D, bias=False)  # N*D -> D
         self.feature_norm = RMSNorm(D, config.norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(self.layer_config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(ExtraKVBlock(self.layer_config) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
         # The MASK slots' input: a vector of our own, not the target's MASK row. An AR target with a
         # tied head trains that row only as an output that must never win, which makes it a poor
@@ -221,7 +178,7 @@ class DFlashDrafter(nn.Module):
         x = torch.where(is_mask[..., None], self.mask_embed.to(x.dtype), x)
         cos, sin = self.rope(pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+            x, _, _ = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)  # the context's keys first
         return F.linear(self.norm(x), weight)  # (B, T, V): the target's tied head
 
 
@@ -320,17 +277,3 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
 def drafter_from(ckpt: dict, target: Transformer, path="checkpoint") -> DFlashDrafter:
     """Rebuild a drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`."""
     return rebuild_around(target, ckpt, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)
-
-
-def rebuild_around(target, ckpt: dict, config_class, drafter_class, what: str, path):
-    """A drafter built around `target` (DFlash, EAGLE-3) from its checkpoint's config and weights."""
-    try:
-        config = config_class(**ckpt["config"])
-    except TypeError as e:
-        raise UserError(f"{path}: not {what} config ({e})") from None
-    drafter = drafter_class(config, target)
-    try:
-        drafter.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit {what}'s config ({' '.join(str(e).split())[:160]})") from None
-    return drafter.eval()

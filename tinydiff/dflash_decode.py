@@ -29,7 +29,8 @@ import time
 import torch
 
 from tinydiff.ar import check_prompt
-from tinydiff.dflash import DFlashDrafter, check_target, draft_block
+from tinydiff.dflash import DFlashDrafter, draft_block
+from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, round_stats, verify

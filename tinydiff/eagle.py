@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.dflash import check_target, init_around, rebuild_around, target_dims
+from tinydiff.drafter import ExtraKVBlock, check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
-from tinydiff.model import Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
@@ -85,21 +85,6 @@ class EagleConfig:
         return cls(**{**target_dims(target_config), **overrides})
 
 
-class HeadBlock(Block):
-    """tinydiff.model's Block over explicit earlier keys/values, returning its own rows' too: the
-    draft rows of a round and the unrolled training steps are never written into a KVCache."""
-
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        B, T, D = x.shape
-        a, h = self.attn, self.attn_norm(x)
-        q, k, v = (w(h).view(B, T, a.n_head, -1).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D/H)
-        keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (B, H, S + T, D/H)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # no mask: every key is visible
-        x = x + a.wo(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.ffn(self.ffn_norm(x)), k, v
-
-
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, target: Transformer):
         super().__init__()
@@ -118,7 +103,7 @@ class EagleHead(nn.Module):
         self.embed_norm = RMSNorm(D, config.norm_eps)
         self.feature_norm = RMSNorm(D, config.norm_eps)
         self.proj = nn.Linear(2 * D, D, bias=False)  # [embedding, feature]: 2D -> D
-        self.block = HeadBlock(self.layer_config)
+        self.block = ExtraKVBlock(self.layer_config)
         self.norm = RMSNorm(D, config.norm_eps)
         cos, sin = rope_table(config.context, D // H, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -36,7 +36,7 @@ import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
-from tinydiff.dflash import check_target
+from tinydiff.drafter import check_target
 from tinydiff.eagle import EagleHead, draftable
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample

@@ -145,10 +145,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.d_model, config.d_model, bias=False)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
+    def project(self, x, cos, sin):
+        """q, k, v (B, H, T, D/H) of x (B, T, D), RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(self, x, cos, sin, mask, is_causal, cache, layer):
         B, T, D = x.shape
-        q, k, v = (w(x).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D/H)
+        q, k, v = self.project(x, cos, sin)  # (B, H, T, D/H)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, S, D/H), S = cached + T
         if mask is not None and kernels.for_inference(q):  # skips key tiles the mask hides; no backward
