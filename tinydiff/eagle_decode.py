@@ -5,13 +5,13 @@ Training-Time Test"; the dynamic tree is EAGLE-2's (Li et al. 2024). The head is
 Each round, with committed sequence seq (S tokens): both caches hold rows for seq[:-1] (the head's
 row t: the target's feature of position t with token t+1), and `ready` holds the head's output at
 its newest row: logits for token S and the hidden state that goes with them.
-  chain (budget=None): d_1 ~ q_1 = warp(ready logits); draft step j >= 2 reads [d_{j-1}, the hidden
+  eagle_chain: d_1 ~ q_1 = warp(ready logits); draft step j >= 2 reads [d_{j-1}, the hidden
             of step j-1] and gives q_j: k-1 head forwards. The target reads [seq[-1], d_1..d_k] in
             one forward; speculation's rule (speculative.verify: accept with min(1, p/q), resample a
             rejection from the residual, else a bonus from p_{k+1}) keeps the output the target's
             distribution at every temperature, and greedy decoding at T = 0.
-  tree (budget=N): EAGLE-2's dynamic tree from ready: each depth, every frontier node offers its top
-            `branch` children (score = sum of the head's log-probs along the path), the best `branch`
+  eagle_tree (budget N): EAGLE-2's dynamic tree from ready: each depth, every frontier node
+            offers its top `branch` children (score = sum of the head's log-probs along the path), the best `branch`
             of those form the next frontier and one head forward reads them all (a node sees the
             committed rows, its ancestors and itself: ancestor-only mask); after k depths the best N
             of all offered nodes are kept (a child never outscores its parent, so they form a tree).
@@ -27,10 +27,14 @@ its newest row: logits for token S and the hidden state that goes with them.
 Before the first round a target forward over prompt[:-1] fills both caches (skipped for a one-token
 prompt, whose first round has no feature to draft from and commits the target's one sample).
 
+Both modes are one loop (`decode`: prefill, then draft + verify, commit) around one round function
+(`chain_round`, `tree_round`); `eagle_generate` picks the mode from `budget`.
+
 Leaves out: batches, adapting k or N on the fly, SpecInfer-style trees of sampled drafts (which
 multi-draft rejection sampling could verify at T > 0 with a higher acceptance).
 """
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -157,16 +161,124 @@ def check_shape(k, budget, branch):
         raise UserError(f"branch (children per tree node and frontier width) must be an integer >= 1, got {branch!r}")
 
 
+@dataclass
+class Round:
+    """One verified round. tokens: the n accepted drafts and the target's own token; rows: the
+    verify rows that hold them; hidden: the verify forward's target features; rejected: whether the
+    chain lost a draft (None for a tree, which has no single acceptance rate)."""
+    accepted: int
+    tokens: list
+    rows: list
+    hidden: list
+    proposed: int
+    head_forwards: int
+    rejected: bool | None
+    info: dict
+
+
+@dataclass
+class Decoding:
+    """The state a round reads: both models, both caches (holding seq[:-1]), the head's `ready`."""
+    target: object
+    head: EagleHead
+    target_cache: object
+    head_cache: object
+    seq: list
+    ready: tuple | None
+    warp_args: tuple
+    generator: object
+
+    def verify_forward(self, x, **kwargs):
+        return self.target(x, cache=self.target_cache, hidden_layers=self.head.config.feature_layers, **kwargs)
+
+
+def chain_round(s: Decoding, depth: int) -> Round:
+    """Draft a chain of `depth` tokens; one target forward; Leviathan's rule keeps a prefix."""
+    drafts, q, _ = draft_chain(s.head, s.head_cache, s.ready, depth, s.warp_args, s.generator)
+    x = torch.cat([torch.tensor([s.seq[-1]], device=drafts.device), drafts])[None]  # (1, K+1)
+    logits, hidden = s.verify_forward(x, causal=True)
+    n, token = verify(next_token_probs(logits[0], *s.warp_args), q, drafts, s.generator)
+    return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, max(0, depth - 1),
+                 n < depth, {"drafts": drafts.tolist()})
+
+
+def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
+    """Grow EAGLE-2's tree, `depth` deep; one target forward over it; follow the target's samples."""
+    start, room = s.target_cache.length, s.target.config.context - len(s.seq)
+    tree, spent = draft_tree(s.head, s.head_cache, s.ready, depth, branch, min(budget, room)) if depth else \
+        (build_tree(torch.empty(0, 1), 1), 0)  # no depth: the root alone, the target's one sample
+    ids, pos, mask = compile_tree(tree, start, s.seq[-1], s.target.embed.weight.device)
+    logits, hidden = s.verify_forward(ids, pos=pos, mask=mask)
+    path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *s.warp_args), s.generator)
+    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size, spent, None,
+                 {"tree": tree, "path": path})
+
+
+def decode(target, head, prompt, max_new_tokens, k, one_round, warp_args, generator, stop_token, on_round):
+    """The loop both modes share: prefill, then draft + verify (`one_round`), commit, until done.
+    Returns (new ids, stats) as speculative.round_stats gives them."""
+    check_warp_args(*warp_args)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_head(target, head)
+    device = target.embed.weight.device
+    s = Decoding(target, head, target.new_cache(1), head.new_cache(1), list(prompt), None, warp_args, generator)
+    out, hist, proposed, rejected, forwards, prefill = [], [0] * (k + 1), 0, 0, 0, 0
+    start_time = time.perf_counter()
+    if len(prompt) > 1:
+        _, hidden = s.verify_forward(torch.tensor([prompt[:-1]], device=device), causal=True)
+        s.ready = head.extend(s.head_cache, torch.tensor([prompt[1:]], device=device), hidden)
+        prefill, forwards = 1, 1
+    while len(out) < n_new:
+        depth = 0 if s.ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        start = s.target_cache.length  # = len(seq) - 1
+        r = one_round(s, depth)
+        tokens, stopped = cut_at_stop(r.tokens, stop_token)
+        s.seq += tokens
+        out += tokens
+        rows = r.rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
+        if rows == list(range(len(rows))):  # a prefix of the verify rows (a chain's always are)
+            s.target_cache.crop(start + len(rows))
+        else:
+            compact_cache(s.target_cache, start, rows[1:])
+        s.ready = head.extend(s.head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in r.hidden])
+        hist[r.accepted] += 1
+        proposed, forwards = proposed + r.proposed, forwards + r.head_forwards + 1
+        rejected = None if r.rejected is None else rejected + r.rejected
+        if on_round is not None:
+            on_round({**r.info, "accepted": r.accepted, "tokens": tokens, "seq": list(s.seq),
+                      "target_cache": s.target_cache, "draft_cache": s.head_cache})
+        if stopped:
+            break
+    return out, round_stats(out, hist, proposed, forwards, start_time, device, prefill, rejected)
+
+
 @torch.no_grad()
+def eagle_chain(target, head, prompt, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None, generator=None,
+                stop_token=EOT, on_round=None):
+    """EAGLE-3 with chains: each round the head drafts k tokens, one target forward verifies them."""
+    check_shape(k, None, 1)
+    return decode(target, head, prompt, max_new_tokens, k, chain_round, (temperature, top_k, top_p), generator,
+                  stop_token, on_round)
+
+
+@torch.no_grad()
+def eagle_tree(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, temperature=0.0, top_k=None,
+               top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """EAGLE-3 with EAGLE-2's dynamic tree: up to `budget` nodes, k deep, `branch` wide, one verify."""
+    check_shape(k, budget, branch)
+    out, stats = decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget),
+                        (temperature, top_k, top_p), generator, stop_token, on_round)
+    return out, {**stats, "nodes_per_round": stats["proposed"] / stats["rounds"]}
+
+
 def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
                    top_p=None, generator=None, stop_token=EOT, on_round=None):
-    """Decode after `prompt` (list of ids): each round the head drafts a chain of k tokens
-    (budget=None) or a tree of up to `budget` nodes, k deep, `branch` wide; one target forward
-    verifies it and 1..k+1 tokens are committed. Stops after max_new_tokens (None: fill the context)
-    or after emitting stop_token (None: never; tokens after it in the same round are dropped).
-    on_round(info) is called after every round with: drafts (chain) or tree and path (tree),
-    accepted (n), tokens (committed this round), seq (prompt + everything committed), target_cache,
-    draft_cache (the head's; both hold seq[:-1]).
+    """Decode after `prompt` (list of ids): chains (budget=None: eagle_chain) or trees of up to
+    `budget` nodes (eagle_tree); 1..k+1 tokens committed per round. Stops after max_new_tokens
+    (None: fill the context) or after emitting stop_token (None: never; tokens after it in the same
+    round are dropped). on_round(info) is called after every round with: drafts (chain) or tree and
+    path (tree), accepted (n), tokens (committed this round), seq (prompt + everything committed),
+    target_cache, draft_cache (the head's; both hold seq[:-1]).
 
     Returns (new ids, stats) with speculative_generate's keys: rounds, accepted (histogram over
     n = 0..k), proposed (drafts or tree nodes), rejected and alpha (accepted / judged drafts; None
@@ -175,61 +287,8 @@ def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branc
     reads included), new_tokens, seconds, tokens_per_s; a tree run adds nodes_per_round.
     """
     check_shape(k, budget, branch)
-    check_warp_args(temperature, top_k, top_p)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    check_head(target, head)
-    warp_args, layers = (temperature, top_k, top_p), head.config.feature_layers
-    device, context = target.embed.weight.device, target.config.context
-    target_cache, head_cache = target.new_cache(1), head.new_cache(1)
-    seq, out, ready = list(prompt), [], None
-    hist, proposed, rejected, forwards, prefill = [0] * (k + 1), 0, 0, 0, 0
-    start_time = time.perf_counter()
-    if len(prompt) > 1:
-        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, causal=True,
-                           hidden_layers=layers)
-        ready = head.extend(head_cache, torch.tensor([prompt[1:]], device=device), hidden)
-        prefill, forwards = 1, 1
-    while len(out) < n_new:
-        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
-        start = target_cache.length  # = len(seq) - 1
-        if budget is None:
-            drafts, q, _ = draft_chain(head, head_cache, ready, depth, warp_args, generator)
-            forwards += max(0, depth - 1)
-            x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-            logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
-            n, token = verify(next_token_probs(logits[0], *warp_args), q, drafts, generator)
-            tokens, rows, info = drafts[:n].tolist() + [token], list(range(n + 1)), {"drafts": drafts.tolist()}
-            proposed += depth
-            rejected += n < depth
-        else:
-            if depth:
-                tree, spent = draft_tree(head, head_cache, ready, depth, branch, min(budget, context - len(seq)))
-                forwards += spent
-            else:  # the root alone: the target's one sample
-                tree = build_tree(torch.empty(0, 1), 1)
-            ids, pos, mask = compile_tree(tree, start, seq[-1], device)
-            logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
-            path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
-            n, tokens, rows = len(path), tree.tokens[path].tolist() + [token], [0, *path]
-            info = {"tree": tree, "path": path}
-            proposed += tree.size
-        tokens, stopped = cut_at_stop(tokens, stop_token)
-        seq += tokens
-        out += tokens
-        rows = rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
-        if budget is None:
-            target_cache.crop(len(seq) - 1)  # drop rejected drafts
-        else:
-            compact_cache(target_cache, start, rows[1:])
-        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in hidden])
-        forwards += 1
-        hist[n] += 1
-        if on_round is not None:
-            on_round({**info, "accepted": n, "tokens": tokens, "seq": list(seq), "target_cache": target_cache,
-                      "draft_cache": head_cache})
-        if stopped:
-            break
+    common = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, stop_token=stop_token,
+                  on_round=on_round)
     if budget is None:
-        return out, round_stats(out, hist, proposed, forwards, start_time, device, prefill, rejected)
-    stats = round_stats(out, hist, proposed, forwards, start_time, device, prefill)  # a tree: no single alpha
-    return out, {**stats, "nodes_per_round": proposed / stats["rounds"]}
+        return eagle_chain(target, head, prompt, max_new_tokens, k, **common)
+    return eagle_tree(target, head, prompt, max_new_tokens, k, budget, branch, **common)
