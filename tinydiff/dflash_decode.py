@@ -6,7 +6,7 @@ tinydiff/dflash.py. Each round, with committed sequence seq (S tokens):
              (no iterative denoising), reading the context features of positions 0..S-2;
   2. verify: the target reads [seq[-1], d_1..d_K] (K = B-1, fewer at the end) in one forward that
              also returns its hidden states at the feature layers;
-  3. accept, by one of two rules (the `rule` argument):
+  3. accept, by one of two rules (the `rule` argument; RULES pairs each one's draft and judge):
        "match"  (default; DFlash's rule) the drafts are the drafter's argmax; the target samples
                 y_0..y_K from its own warped distributions; accept while d_i == y_{i-1}, then commit
                 y_n as the bonus. Every committed token is a target sample given its committed
@@ -36,9 +36,6 @@ from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, round_stats, verify
 from tinydiff.tokenizer import EOT, MASK
 
-RULES = ("match", "reject")
-
-
 def sample_and_match(p, drafts, generator=None, greedy=False):
     """p (K+1, V) the target's warped distributions, drafts (K,) -> (n, token).
 
@@ -50,6 +47,32 @@ def sample_and_match(p, drafts, generator=None, greedy=False):
         y = int(p[i].argmax()) if greedy else int(sample(p[i], generator))
         if i == len(drafts) or y != int(drafts[i]):
             return i, y
+
+
+def argmax_drafts(logits, warp_args, generator=None):
+    """The "match" rule's drafts (K,): the drafter's argmax per slot (never MASK); no q is needed."""
+    return next_token_probs(logits, 0, None, None).argmax(-1), None
+
+
+def sampled_drafts(logits, warp_args, generator=None):
+    """The "reject" rule's drafts (K,), sampled from q (K, V), the slots warped exactly like the target
+    (one-hot q at T = 0), and q itself, which the rejection rule needs."""
+    q = next_token_probs(logits, *warp_args)
+    return (sample(q, generator) if warp_args[0] > 0 else q.argmax(-1)), q
+
+
+def match(p, drafts, q, generator=None, greedy=False):
+    """DFlash's rule: the target samples each position, a draft is kept while it equals the sample."""
+    return sample_and_match(p, drafts, generator, greedy)
+
+
+def reject(p, drafts, q, generator=None, greedy=False):
+    """Speculation's rule (speculative.verify) for sampled drafts; a round without drafts commits the
+    target's one sample."""
+    return verify(p, q, drafts, generator) if len(drafts) else sample_and_match(p, drafts, generator, greedy)
+
+
+RULES = {"match": (argmax_drafts, match), "reject": (sampled_drafts, reject)}  # rule -> (draft, judge)
 
 
 def check_drafter(target, drafter, block_size) -> int:
@@ -95,6 +118,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     """
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+    draw, judge = RULES[rule]
     check_warp_args(temperature, top_k, top_p)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
@@ -109,22 +133,13 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
-        drafts = torch.empty(0, dtype=torch.long, device=device)
-        if n_drafts:
-            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
+        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+        if n_drafts:  # draft: ONE drafter forward for the block
+            drafts, q = draw(draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts], warp_args, generator)
             draft_forwards += 1
-            if rule == "reject":
-                q = next_token_probs(logits, *warp_args)  # (K, V), warped exactly like the target
-                drafts = sample(q, generator) if temperature > 0 else q.argmax(-1)  # (K,); one-hot q at T = 0
-            else:
-                drafts = next_token_probs(logits, 0, None, None).argmax(-1)  # (K,): argmax, never MASK
         x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
-        p = next_token_probs(logits[0], *warp_args)  # (K+1, V)
-        if rule == "reject" and n_drafts:
-            n, token = verify(p, q, drafts, generator)
-        else:  # sample-and-match (also a round without drafts: the target's one sample)
-            n, token = sample_and_match(p, drafts, generator, greedy=temperature == 0)
+        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
+        n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
         tokens = drafts[:n].tolist() + [token]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
