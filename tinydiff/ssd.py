@@ -55,6 +55,7 @@ speculator for misses, batches of prompts, running the draft on another device.
 """
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -243,6 +244,85 @@ def forward_seconds(model, seq, reps: int = 5) -> float:
     return sorted(times)[reps // 2]
 
 
+@dataclass
+class SsdTally:
+    """What an SSD run counts, round by round, and the stats it reports from them (ssd_generate's)."""
+    k: int
+    draft_s: float  # the per-forward costs the modelled times price
+    target_s: float
+    hist: list = field(default_factory=list)  # rounds per accepted count 0..k
+    hits: list = field(default_factory=list)  # speculation-cache lookups that hit, per accepted count
+    lookups: list = field(default_factory=list)
+    proposed: int = 0
+    rejected: int = 0
+    jit: int = 0  # draft forwards run just in time (a miss, or the first round)
+    ahead: int = 0  # run-ahead forwards (a batched forward counts once)
+    branches: int = 0  # speculations pre-drafted
+    seconds_jit: float = 0.0
+    seconds_waiting: float = 0.0  # the main thread waiting for the run-ahead after verification
+    modelled_ssd: float = 0.0
+
+    def __post_init__(self):
+        self.hist, self.hits, self.lookups = [0] * (self.k + 1), [0] * (self.k + 1), [0] * (self.k + 1)
+
+    def add_round(self, n: int, n_drafts: int, jit: int, ahead: int, branches: int, seconds_jit: float):
+        self.hist[n] += 1
+        self.proposed, self.rejected = self.proposed + n_drafts, self.rejected + (n < n_drafts)
+        self.jit, self.ahead, self.branches = self.jit + jit, self.ahead + ahead, self.branches + branches
+        self.seconds_jit += seconds_jit
+        self.modelled_ssd += jit * self.draft_s + max(self.target_s, ahead * self.draft_s)
+
+    def add_lookup(self, n: int, hit: bool):
+        self.lookups[n] += 1
+        self.hits[n] += hit
+
+    def stats(self, out, start, device, threaded: bool) -> dict:
+        stats = round_stats(out, self.hist, self.proposed, self.jit + self.ahead, start, device, rejected=self.rejected)
+        per_jit_forward = self.seconds_jit / self.jit if self.jit else self.draft_s
+        avoided = per_jit_forward * (self.proposed - self.jit)  # proposed drafts not drafted just in time: hits
+        modelled_sd = stats["rounds"] * self.target_s + self.proposed * self.draft_s
+        return {**stats, "hit_rate": sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None,
+                "hits": self.hits, "lookups": self.lookups, "jit_forwards": self.jit, "ahead_forwards": self.ahead,
+                "branches": self.branches, "seconds_jit": self.seconds_jit, "seconds_waiting": self.seconds_waiting,
+                "seconds_jit_avoided": avoided, "seconds_hidden": avoided - self.seconds_waiting,
+                "draft_forward_seconds": self.draft_s, "target_forward_seconds": self.target_s,
+                "modelled_seconds_sd": modelled_sd, "modelled_seconds_ssd": self.modelled_ssd,
+                "modelled_speedup": modelled_sd / self.modelled_ssd if self.modelled_ssd else None,
+                "threaded": threaded}
+
+
+def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args, costs, generator,
+                   ahead_generator):
+    """The checked arguments: (fan_out list, new tokens, (draft_s, target_s), the run-ahead's generator)."""
+    if not isinstance(k, int) or k < 1:
+        raise UserError(f"k (drafts per round) must be an integer >= 1, got {k!r}")
+    fan_out = check_fan_out(fan_out, k)
+    check_warp_args(*warp_args)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_models(target, draft, len(prompt) + n_new)
+    if costs is None:
+        costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
+    if len(costs) != 2 or min(costs) < 0:
+        raise UserError(f"costs must be (draft_seconds, target_seconds), both >= 0, got {costs!r}")
+    if ahead_generator is None:  # one draw of the main stream seeds the run-ahead's own stream
+        seed = torch.randint(2 ** 62, (), generator=generator, device=generator.device if generator else "cpu")
+        ahead_generator = torch.Generator(target.embed.weight.device).manual_seed(int(seed))
+    return fan_out, n_new, tuple(costs), ahead_generator
+
+
+def look_up(entries, n: int, token: int, m: int, draft_cache, seq, tally: SsdTally):
+    """The next round's speculation for the outcome (n accepted, then `token`), or None; a hit's own
+    K/V rows join the draft's cache (no recomputing them next round). Returns (speculation, cached)."""
+    if m < 1:
+        return None, None
+    found = entries.get((n, token))
+    cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
+    tally.add_lookup(n, cached)
+    if cached:
+        adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
+    return (found[:2] if cached else None), cached
+
+
 @torch.no_grad()
 def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=0.0, top_k=None, top_p=None,
                  generator=None, stop_token=EOT, threaded=False, on_round=None, costs=None, ahead_generator=None):
@@ -257,108 +337,52 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
     None), target_cache, draft_cache.
 
     Returns (new ids, stats): speculative_generate's keys, with draft_forwards = jit_forwards +
-    ahead_forwards (a batched forward counts once), and hit_rate (hits / lookups; a lookup is made
-    after every round that a round with drafts follows), hits and lookups per accepted count,
-    branches (speculations pre-drafted), seconds_jit (drafting just in time), seconds_waiting (the
-    main thread waiting for the run-ahead after verification), seconds_jit_avoided (hits' drafts
-    times the measured seconds per just-in-time draft forward), seconds_hidden (avoided minus
-    waiting: negative when the run-ahead outlasts verification), draft_forward_seconds,
-    target_forward_seconds, modelled_seconds_sd, modelled_seconds_ssd, modelled_speedup, threaded.
+    ahead_forwards, and SsdTally's: hit_rate (hits / lookups; a lookup is made after every round
+    that a round with drafts follows), hits and lookups per accepted count, branches, seconds_jit,
+    seconds_waiting, seconds_jit_avoided (hits' drafts times the measured seconds per just-in-time
+    draft forward), seconds_hidden (avoided minus waiting: negative when the run-ahead outlasts
+    verification), the forward costs, modelled_seconds_sd / _ssd, modelled_speedup, threaded.
     """
-    if not isinstance(k, int) or k < 1:
-        raise UserError(f"k (drafts per round) must be an integer >= 1, got {k!r}")
-    fan_out = check_fan_out(fan_out, k)
-    check_warp_args(temperature, top_k, top_p)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    check_models(target, draft, len(prompt) + n_new)
-    device = target.embed.weight.device
-    if costs is None:
-        costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
-    if len(costs) != 2 or min(costs) < 0:
-        raise UserError(f"costs must be (draft_seconds, target_seconds), both >= 0, got {costs!r}")
-    draft_s, target_s = costs
-    if ahead_generator is None:  # one draw of the main stream seeds the run-ahead's own stream
-        seed = torch.randint(2 ** 62, (), generator=generator, device=generator.device if generator else "cpu")
-        ahead_generator = torch.Generator(device).manual_seed(int(seed))
     warp_args = (temperature, top_k, top_p)
+    fan_out, n_new, costs, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out,
+                                                            warp_args, costs, generator, ahead_generator)
+    tally, device = SsdTally(k, *costs), target.embed.weight.device
     target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
     seq, out, speculation, cached = list(prompt), [], None, None
-    hist, hits, lookups = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
-    proposed = rejected = jit_total = ahead_total = branches = 0
-    seconds_jit = seconds_waiting = modelled_ssd = 0.0
-    overlap = Overlap(threaded, device)
-    start = time.perf_counter()
-
-    def rel(span):  # (start, end) perf_counter times -> seconds into the run
-        return None if span is None else (span[0] - start, span[1] - start)
+    overlap, start = Overlap(threaded, device), time.perf_counter()
     try:
         while len(out) < n_new:
             n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
-            t0 = time.perf_counter()
-            if speculation is None:  # the first round, a miss, or a round without drafts
-                drafts, q = draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
-                jit = n_drafts
-            else:
-                (drafts, q), jit = speculation, 0
+            t0 = time.perf_counter()  # draft: from the speculation cache, else just in time
+            (drafts, q), jit = (speculation, 0) if speculation else \
+                (draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator), n_drafts)
             t1 = time.perf_counter()
             # After "i accepted, then a bonus", n_new - len(out) - i - 1 remain: the next round drafts one less.
             next_drafts = [min(k, n_new - len(out) - i - 2) if i <= n_drafts else 0 for i in range(k + 1)]
-            ahead = None
-            if max(next_drafts) >= 1:
-                ahead = overlap.start(partial(run_ahead, draft, draft_cache, list(seq), drafts, fan_out, next_drafts,
-                                              warp_args, ahead_generator, stop_token, branch_caches))
+            ahead = overlap.start(partial(run_ahead, draft, draft_cache, list(seq), drafts, fan_out, next_drafts,
+                                          warp_args, ahead_generator, stop_token, branch_caches)) \
+                if max(next_drafts) >= 1 else None  # run ahead while ...
             t2 = time.perf_counter()
-            p = target_probs(target, target_cache, seq, drafts, warp_args)
-            n, token = verify(p, q, drafts, generator)
-            t3 = time.perf_counter()
+            n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
+            t3 = time.perf_counter()  # ... the target verifies
             (entries, ahead_forwards), ahead_times = ahead() if ahead else (({}, 0), None)
             if ahead:
-                seconds_waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
-            tokens = drafts[:n].tolist() + [token]
-            tokens, stopped = cut_at_stop(tokens, stop_token)
+                tally.seconds_waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
+            tokens, stopped = cut_at_stop(drafts[:n].tolist() + [token], stop_token)  # commit
             seq += tokens
             out += tokens
             target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
             draft_cache.crop(min(draft_cache.length, len(seq) - 1))
-            hist[n] += 1
-            proposed += n_drafts
-            rejected += n < n_drafts
-            jit_total += jit
-            ahead_total += ahead_forwards
-            branches += len(entries)
-            seconds_jit += t1 - t0
-            modelled_ssd += jit * draft_s + max(target_s, ahead_forwards * draft_s)
+            tally.add_round(n, n_drafts, jit, ahead_forwards, len(entries), t1 - t0)
             if on_round is not None:
+                spans = {"jit": (t0, t1) if jit else None, "verify": (t2, t3), "ahead": ahead_times}
                 on_round({"drafts": drafts.tolist(), "q": q, "cached": cached, "accepted": n, "tokens": tokens,
                           "seq": list(seq), "keys": list(entries), "jit_forwards": jit,
-                          "ahead_forwards": ahead_forwards,
-                          "times": {"jit": rel((t0, t1)) if jit else None, "verify": rel((t2, t3)),
-                                    "ahead": rel(ahead_times)},
-                          "target_cache": target_cache, "draft_cache": draft_cache})
+                          "ahead_forwards": ahead_forwards, "target_cache": target_cache, "draft_cache": draft_cache,
+                          "times": {key: span and (span[0] - start, span[1] - start) for key, span in spans.items()}})
             if stopped:
                 break
-            # Look up the next round's speculation by this round's outcome.
-            m = min(k, n_new - len(out) - 1)
-            speculation, cached = None, None
-            if m >= 1:
-                found = entries.get((n, token))
-                cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
-                lookups[n] += 1
-                hits[n] += cached
-                speculation = found[:2] if cached else None
-                if cached:  # the branch's K/V rows join the draft's cache: no recomputing them next round
-                    adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
+            speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, tally)
     finally:
         overlap.close()
-    stats = round_stats(out, hist, proposed, jit_total + ahead_total, start, device, rejected=rejected)
-    per_jit_forward = seconds_jit / jit_total if jit_total else draft_s
-    avoided = per_jit_forward * (proposed - jit_total)  # proposed drafts not drafted just in time: hits
-    modelled_sd = stats["rounds"] * target_s + proposed * draft_s
-    return out, {**stats,
-                 "hit_rate": sum(hits) / sum(lookups) if sum(lookups) else None, "hits": hits, "lookups": lookups,
-                 "jit_forwards": jit_total, "ahead_forwards": ahead_total, "branches": branches,
-                 "seconds_jit": seconds_jit, "seconds_waiting": seconds_waiting, "seconds_jit_avoided": avoided,
-                 "seconds_hidden": avoided - seconds_waiting, "draft_forward_seconds": draft_s,
-                 "target_forward_seconds": target_s, "modelled_seconds_sd": modelled_sd,
-                 "modelled_seconds_ssd": modelled_ssd,
-                 "modelled_speedup": modelled_sd / modelled_ssd if modelled_ssd else None, "threaded": threaded}
+    return out, tally.stats(out, start, device, threaded)
