@@ -95,29 +95,27 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     return "Once upon a time" + tokenizer.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
+def run_settings(args):
+    """(run settings, run folder, checkpoint or None): a resumed run's from its checkpoint, a new
+    run's from the flags; a new run never overwrites a checkpoint."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible; pass --device cpu")
     out = Path(args.out) if args.out else None
-    ckpt = None
     if args.resume:
         if out is None:
             raise UserError("--resume needs --out, the folder of the run to continue")
         ckpt = load_checkpoint(out / "ckpt.pt")
         if "optimizer" not in ckpt or "args" not in ckpt:
             raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
-        run = resumed_settings(args, ckpt, out / "ckpt.pt")
-    else:
-        run = defaults(args, device)
-        out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
-        if (out / "ckpt.pt").exists():
-            raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
-    loss_fn, extra = OBJECTIVES[run["model"]]
+        return resumed_settings(args, ckpt, out / "ckpt.pt"), out, ckpt
+    run = defaults(args, args.device)
+    out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
+    if (out / "ckpt.pt").exists():
+        raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
+    return run, out, None
 
-    torch.manual_seed(run["seed"])
-    model = build_model(run, device, ckpt, out / "ckpt.pt")
+
+def describe(model, run: dict):
     config = model.config
     if run["model"] in DRAFTERS:
         shape = f"B {config.block_size}" if run["model"] == "dflash" else f"K {config.steps_ahead}"
@@ -127,8 +125,13 @@ def main(argv=None):
         name = f"student of {run['distill']}" if run["distill"] else run["preset"]
         print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
-    tokenizer = Tokenizer()
-    train_path, val_path = prepare_tokens(run["data"], args.cache_dir)
+
+
+def training_data(run: dict, model, out: Path, cache_dir, device):
+    """(loss, draw(step) -> batch, validation batch): corpus windows, windows of the text the target
+    regenerated (--regenerate), or the states of a teacher's trajectories (--distill)."""
+    loss_fn, extra = OBJECTIVES[run["model"]]
+    train_path, val_path = prepare_tokens(run["data"], cache_dir)
     train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
     if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
         if run["model"] not in (*DRAFTERS, "ar"):
@@ -142,26 +145,46 @@ def main(argv=None):
         train_tokens = trim_loops(text)
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
-    window = config.context + extra
+    if run["distill"]:  # the teacher's stories and the states inside them replace the windows
+        out.mkdir(parents=True, exist_ok=True)
+        return distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
+    window = model.config.context + extra
 
     def draw(step: int):  # batch `step`, from (seed, step) alone
         return sample_windows(train_tokens, run["batch_size"], window, run["seed"], step).to(device)
 
-    if run["distill"]:  # the teacher's stories and the states inside them replace the windows
-        out.mkdir(parents=True, exist_ok=True)
-        loss_fn, draw, val_windows = distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
-    else:
-        val_windows = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
+    return loss_fn, draw, eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 
+
+def restore(optimizer, ckpt, out: Path) -> int:
+    """A resumed run's optimizer and RNG states; returns the step to continue from (0 for a new run)."""
+    if ckpt is None:
+        return 0
+    optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"]["cpu"])
+    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    print(f"resuming {out / 'ckpt.pt'} at step {ckpt['step']}")
+    return ckpt["step"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run, out, ckpt = run_settings(args)
+    torch.manual_seed(run["seed"])
+    model = build_model(run, args.device, ckpt, out / "ckpt.pt")
+    describe(model, run)
+    loss_fn, draw, val_windows = training_data(run, model, out, args.cache_dir, args.device)
     optimizer = make_optimizer(model, run)
-    step = 0
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step = ckpt["step"]
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        print(f"resuming {out / 'ckpt.pt'} at step {step}")
+    step = restore(optimizer, ckpt, out)
+    train_loop(run, model, optimizer, loss_fn, draw, val_windows, step, out, args.ckpt_every, args.device)
+
+
+def train_loop(run: dict, model, optimizer, loss_fn, draw, val_windows, step: int, out: Path, ckpt_every: int,
+               device: str):
+    """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
+    ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
+    config, tokenizer = model.config, Tokenizer()
     # bf16 autocast only where the GPU has bf16 units (not a T4: emulated bf16 is slower than fp32).
     fast_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fast_bf16 else nullcontext()
@@ -203,7 +226,7 @@ def main(argv=None):
                 bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
                           + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
                 bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
-            if step % args.ckpt_every == 0 or step == run["max_steps"]:
+            if step % ckpt_every == 0 or step == run["max_steps"]:
                 save()
             if stop.requested:
                 save()
