@@ -58,7 +58,7 @@ def toy_story():
 
 
 corpus = np.array([t for _ in range(2000) for t in toy_story()])
-steps = 30 if args.quick else 150
+steps = 30 if args.quick else 100
 g = torch.Generator().manual_seed(0)
 
 
@@ -66,7 +66,7 @@ def train(model, loss_fn, steps, window, lr):
     """Lesson 04's loop: AdamW on random windows of the toy corpus."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
-        starts = torch.randint(0, len(corpus) - window, (16 if args.quick else 32,), generator=g)
+        starts = torch.randint(0, len(corpus) - window, (16,), generator=g)
         loss, _ = loss_fn(model, torch.stack([torch.from_numpy(corpus[s:s + window]) for s in starts]), g)
         opt.zero_grad()
         loss.backward()
@@ -110,7 +110,7 @@ stories = write_trajectories(teacher, corpus, config, seed=0, desc="teacher writ
 student = Transformer(teacher.config)
 student.load_state_dict(teacher.state_dict())
 loss_fn, opt = make_loss(config), torch.optim.AdamW(student.parameters(), lr=3e-3)
-distill_steps = 30 if args.quick else 500  # the hardest state, a whole block from the opening alone, comes last
+distill_steps = 30 if args.quick else 400  # the hardest state, a whole block from the opening alone, comes last
 for step in range(distill_steps):
     loss, stats = loss_fn(student.train(), sample_rows(stories, 16, 0, step), g)
     opt.zero_grad()
