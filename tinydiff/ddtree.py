@@ -31,7 +31,6 @@ Leaves out: batches, a fused tree-attention kernel (SDPA reads the boolean mask)
 other drafter (the AR draft of speculative.py would need one forward per depth and per branch).
 """
 import heapq
-import time
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from tinydiff.dflash_decode import check_drafter, prefill_caches
 from tinydiff.errors import UserError
 from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import cut_at_stop, round_stats
+from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -203,15 +202,13 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     device, context = target.embed.weight.device, target.config.context
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, draft_forwards = [0] * B, 0, 0
-    start_time = time.perf_counter()
-    prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally = Tally(B - 1, chain=False)
+    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
         start = target_cache.length  # = len(seq) - 1, the root's position
         if depth:
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
-            draft_forwards += 1
             tree = build_tree(logits, min(budget, context - len(seq)))  # S + N rows must fit the cache
         else:
             tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
@@ -225,12 +222,11 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
         rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
         compact_cache(target_cache, start, rows[1:])
         drafter.extend(draft_cache, [h[:, rows] for h in hidden])
-        hist[len(path)] += 1
-        proposed += tree.size
+        tally.add(len(path), tree.size, int(depth > 0))  # one drafter forward per round that drafted
         if on_round is not None:
             on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    stats = round_stats(out, hist, proposed, draft_forwards, start_time, device, prefill)
-    return out, {**stats, "nodes_per_round": proposed / stats["rounds"]}
+    stats = tally.stats(out, device)
+    return out, {**stats, "nodes_per_round": stats["proposed"] / stats["rounds"]}

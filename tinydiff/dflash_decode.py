@@ -24,7 +24,6 @@ prompt[:-1] fills both (skipped for a one-token prompt): target_forwards = round
 
 Leaves out: batches, draft trees (see ddtree.py), iterative refinement of the block.
 """
-import time
 
 import torch
 
@@ -33,7 +32,7 @@ from tinydiff.dflash import DFlashDrafter, draft_block
 from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import cut_at_stop, round_stats, verify
+from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, MASK
 
 def sample_and_match(p, drafts, generator=None, greedy=False):
@@ -128,15 +127,13 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     device = target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, rejected, draft_forwards = [0] * B, 0, 0, 0
-    start = time.perf_counter()
-    prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally = Tally(B - 1)
+    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
         if n_drafts:  # draft: ONE drafter forward for the block
             drafts, q = draw(draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts], warp_args, generator)
-            draft_forwards += 1
         x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
         logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
         n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
@@ -146,12 +143,10 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         out += tokens
         target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
         drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])  # the inputs now committed
-        hist[n] += 1
-        proposed += n_drafts
-        rejected += n < n_drafts
+        tally.add(n, n_drafts, int(n_drafts > 0))  # one drafter forward per round that drafted
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, round_stats(out, hist, proposed, draft_forwards, start, device, prefill, rejected)
+    return out, tally.stats(out, device)

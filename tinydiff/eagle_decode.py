@@ -33,7 +33,6 @@ Both modes are one loop (`decode`: prefill, then draft + verify, commit) around 
 Leaves out: batches, adapting k or N on the fly, SpecInfer-style trees of sampled drafts (which
 multi-draft rejection sampling could verify at T > 0 with a higher acceptance).
 """
-import time
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,7 @@ from tinydiff.drafter import check_target
 from tinydiff.eagle import EagleHead, draftable
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import cut_at_stop, round_stats, verify
+from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT
 
 
@@ -164,15 +163,13 @@ def check_shape(k, budget, branch):
 @dataclass
 class Round:
     """One verified round. tokens: the n accepted drafts and the target's own token; rows: the
-    verify rows that hold them; hidden: the verify forward's target features; rejected: whether the
-    chain lost a draft (None for a tree, which has no single acceptance rate)."""
+    verify rows that hold them; hidden: the verify forward's target features."""
     accepted: int
     tokens: list
     rows: list
     hidden: list
     proposed: int
     head_forwards: int
-    rejected: bool | None
     info: dict
 
 
@@ -199,7 +196,7 @@ def chain_round(s: Decoding, depth: int) -> Round:
     logits, hidden = s.verify_forward(x, causal=True)
     n, token = verify(next_token_probs(logits[0], *s.warp_args), q, drafts, s.generator)
     return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, max(0, depth - 1),
-                 n < depth, {"drafts": drafts.tolist()})
+                 {"drafts": drafts.tolist()})
 
 
 def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
@@ -210,24 +207,23 @@ def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
     ids, pos, mask = compile_tree(tree, start, s.seq[-1], s.target.embed.weight.device)
     logits, hidden = s.verify_forward(ids, pos=pos, mask=mask)
     path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *s.warp_args), s.generator)
-    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size, spent, None,
+    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size, spent,
                  {"tree": tree, "path": path})
 
 
-def decode(target, head, prompt, max_new_tokens, k, one_round, warp_args, generator, stop_token, on_round):
+def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args, generator, stop_token, on_round):
     """The loop both modes share: prefill, then draft + verify (`one_round`), commit, until done.
-    Returns (new ids, stats) as speculative.round_stats gives them."""
+    Returns (new ids, speculative.Tally's stats)."""
     check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     check_head(target, head)
     device = target.embed.weight.device
     s = Decoding(target, head, target.new_cache(1), head.new_cache(1), list(prompt), None, warp_args, generator)
-    out, hist, proposed, rejected, forwards, prefill = [], [0] * (k + 1), 0, 0, 0, 0
-    start_time = time.perf_counter()
+    out, tally = [], Tally(k, chain)
     if len(prompt) > 1:
         _, hidden = s.verify_forward(torch.tensor([prompt[:-1]], device=device), causal=True)
         s.ready = head.extend(s.head_cache, torch.tensor([prompt[1:]], device=device), hidden)
-        prefill, forwards = 1, 1
+        tally.prefill, tally.draft_forwards = 1, 1  # the head read the prompt's features: one forward
     while len(out) < n_new:
         depth = 0 if s.ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
         start = s.target_cache.length  # = len(seq) - 1
@@ -241,15 +237,13 @@ def decode(target, head, prompt, max_new_tokens, k, one_round, warp_args, genera
         else:
             compact_cache(s.target_cache, start, rows[1:])
         s.ready = head.extend(s.head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in r.hidden])
-        hist[r.accepted] += 1
-        proposed, forwards = proposed + r.proposed, forwards + r.head_forwards + 1
-        rejected = None if r.rejected is None else rejected + r.rejected
+        tally.add(r.accepted, r.proposed, r.head_forwards + 1)  # + the head's read of the committed rows
         if on_round is not None:
             on_round({**r.info, "accepted": r.accepted, "tokens": tokens, "seq": list(s.seq),
                       "target_cache": s.target_cache, "draft_cache": s.head_cache})
         if stopped:
             break
-    return out, round_stats(out, hist, proposed, forwards, start_time, device, prefill, rejected)
+    return out, tally.stats(out, device)
 
 
 @torch.no_grad()
@@ -257,7 +251,7 @@ def eagle_chain(target, head, prompt, max_new_tokens, k=4, temperature=0.0, top_
                 stop_token=EOT, on_round=None):
     """EAGLE-3 with chains: each round the head drafts k tokens, one target forward verifies them."""
     check_shape(k, None, 1)
-    return decode(target, head, prompt, max_new_tokens, k, chain_round, (temperature, top_k, top_p), generator,
+    return decode(target, head, prompt, max_new_tokens, k, chain_round, True, (temperature, top_k, top_p), generator,
                   stop_token, on_round)
 
 
@@ -267,7 +261,7 @@ def eagle_tree(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, t
     """EAGLE-3 with EAGLE-2's dynamic tree: up to `budget` nodes, k deep, `branch` wide, one verify."""
     check_shape(k, budget, branch)
     out, stats = decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget),
-                        (temperature, top_k, top_p), generator, stop_token, on_round)
+                        False, (temperature, top_k, top_p), generator, stop_token, on_round)
     return out, {**stats, "nodes_per_round": stats["proposed"] / stats["rounds"]}
 
 

@@ -22,6 +22,7 @@ draft never reads its own last draft x_K, so after a full acceptance its cache i
 Leaves out: batches, tree drafts (see ddtree.py), adapting K on the fly, a draft on another device.
 """
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -124,10 +125,9 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     warp_args = (temperature, top_k, top_p)
     target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
     seq, out = list(prompt), []
-    hist, proposed, rejected = [0] * (k + 1), 0, 0
     device = target.embed.weight.device
     draft_seconds = verify_seconds = 0.0
-    start = time.perf_counter()
+    tally = Tally(k)
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
         t0 = time.perf_counter()
@@ -144,16 +144,13 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         out += tokens
         target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
         draft_cache.crop(min(draft_cache.length, len(seq) - 1))
-        hist[n] += 1
-        proposed += n_drafts
-        rejected += n < n_drafts
+        tally.add(n, n_drafts, n_drafts)  # one draft forward per draft
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    stats = round_stats(out, hist, proposed, proposed, start, device, rejected=rejected)
-    return out, {**stats, "draft_seconds": draft_seconds, "verify_seconds": verify_seconds}
+    return out, {**tally.stats(out, device), "draft_seconds": draft_seconds, "verify_seconds": verify_seconds}
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
@@ -163,25 +160,41 @@ def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
     return tokens, False
 
 
-def round_stats(out, hist, proposed: int, draft_forwards: int, start: float, device, prefill: int = 0,
-                rejected: int | None = None) -> dict:
-    """The stats every draft/verify loop reports (see speculative_generate), from its counts.
+@dataclass
+class Tally:
+    """What every draft/verify loop counts, one `add` per round, and the stats it reports (`stats`,
+    with speculative_generate's keys). A loop that verifies trees passes chain=False: a tree has no
+    single acceptance rate, so rejected and alpha are None. `start` is when the loop's clock started."""
+    k: int  # the most drafts a round can accept: hist[n] counts rounds that accepted n, n = 0..k
+    chain: bool = True
+    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
+    proposed: int = 0
+    rejected: int = 0  # rounds that rejected a draft (chains)
+    draft_forwards: int = 0
+    hist: list = field(init=False)
+    start: float = field(init=False)
 
-    hist[n] counts rounds that accepted n drafts; prefill is 1 when a separate forward read the
-    prompt before the first round; rejected counts rounds that rejected a draft, for chain
-    drafts (a tree has no single acceptance rate: alpha is None). Waits for the GPU so
-    `seconds` is wall time of real work.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    rounds = sum(hist)
-    accepted = sum(n * count for n, count in enumerate(hist))
-    judged = accepted + (rejected or 0)
-    return {"rounds": rounds, "accepted": hist, "proposed": proposed, "rejected": rejected,
-            "alpha": accepted / judged if rejected is not None and judged else None, "tau": len(out) / rounds,
-            "target_forwards": rounds + prefill, "draft_forwards": draft_forwards,
-            "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
+    def __post_init__(self):
+        self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
+
+    def add(self, accepted: int, proposed: int, draft_forwards: int):
+        self.hist[accepted] += 1
+        self.proposed += proposed
+        self.rejected += self.chain and accepted < proposed
+        self.draft_forwards += draft_forwards
+
+    def stats(self, out, device) -> dict:
+        """Waits for the GPU first, so `seconds` is the wall time of real work."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds, rounds = time.perf_counter() - self.start, sum(self.hist)
+        accepted = sum(n * count for n, count in enumerate(self.hist))
+        judged = accepted + self.rejected
+        return {"rounds": rounds, "accepted": self.hist, "proposed": self.proposed,
+                "rejected": self.rejected if self.chain else None,
+                "alpha": accepted / judged if self.chain and judged else None, "tau": len(out) / rounds,
+                "target_forwards": rounds + self.prefill, "draft_forwards": self.draft_forwards,
+                "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -63,7 +63,7 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import check_models, cut_at_stop, draft_round, round_stats, target_probs, verify
+from tinydiff.speculative import Tally, check_models, cut_at_stop, draft_round, target_probs, verify
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -246,28 +246,25 @@ def forward_seconds(model, seq, reps: int = 5) -> float:
 
 @dataclass
 class SsdTally:
-    """What an SSD run counts, round by round, and the stats it reports from them (ssd_generate's)."""
+    """What an SSD run counts beyond speculative.Tally's (`rounds`), and the stats it reports."""
     k: int
     draft_s: float  # the per-forward costs the modelled times price
     target_s: float
-    hist: list = field(default_factory=list)  # rounds per accepted count 0..k
-    hits: list = field(default_factory=list)  # speculation-cache lookups that hit, per accepted count
-    lookups: list = field(default_factory=list)
-    proposed: int = 0
-    rejected: int = 0
+    rounds: Tally = field(init=False)  # its draft_forwards: jit + ahead (a batched forward counts once)
+    hits: list = field(init=False)  # speculation-cache lookups that hit, per accepted count
+    lookups: list = field(init=False)
     jit: int = 0  # draft forwards run just in time (a miss, or the first round)
-    ahead: int = 0  # run-ahead forwards (a batched forward counts once)
+    ahead: int = 0  # run-ahead forwards
     branches: int = 0  # speculations pre-drafted
     seconds_jit: float = 0.0
     seconds_waiting: float = 0.0  # the main thread waiting for the run-ahead after verification
     modelled_ssd: float = 0.0
 
     def __post_init__(self):
-        self.hist, self.hits, self.lookups = [0] * (self.k + 1), [0] * (self.k + 1), [0] * (self.k + 1)
+        self.rounds, self.hits, self.lookups = Tally(self.k), [0] * (self.k + 1), [0] * (self.k + 1)
 
     def add_round(self, n: int, n_drafts: int, jit: int, ahead: int, branches: int, seconds_jit: float):
-        self.hist[n] += 1
-        self.proposed, self.rejected = self.proposed + n_drafts, self.rejected + (n < n_drafts)
+        self.rounds.add(n, n_drafts, jit + ahead)
         self.jit, self.ahead, self.branches = self.jit + jit, self.ahead + ahead, self.branches + branches
         self.seconds_jit += seconds_jit
         self.modelled_ssd += jit * self.draft_s + max(self.target_s, ahead * self.draft_s)
@@ -276,11 +273,12 @@ class SsdTally:
         self.lookups[n] += 1
         self.hits[n] += hit
 
-    def stats(self, out, start, device, threaded: bool) -> dict:
-        stats = round_stats(out, self.hist, self.proposed, self.jit + self.ahead, start, device, rejected=self.rejected)
+    def stats(self, out, device, threaded: bool) -> dict:
+        stats = self.rounds.stats(out, device)
         per_jit_forward = self.seconds_jit / self.jit if self.jit else self.draft_s
-        avoided = per_jit_forward * (self.proposed - self.jit)  # proposed drafts not drafted just in time: hits
-        modelled_sd = stats["rounds"] * self.target_s + self.proposed * self.draft_s
+        proposed = stats["proposed"]
+        avoided = per_jit_forward * (proposed - self.jit)  # proposed drafts not drafted just in time: hits
+        modelled_sd = stats["rounds"] * self.target_s + proposed * self.draft_s
         return {**stats, "hit_rate": sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None,
                 "hits": self.hits, "lookups": self.lookups, "jit_forwards": self.jit, "ahead_forwards": self.ahead,
                 "branches": self.branches, "seconds_jit": self.seconds_jit, "seconds_waiting": self.seconds_waiting,
@@ -346,10 +344,12 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
     warp_args = (temperature, top_k, top_p)
     fan_out, n_new, costs, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out,
                                                             warp_args, costs, generator, ahead_generator)
-    tally, device = SsdTally(k, *costs), target.embed.weight.device
+    device = target.embed.weight.device
     target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
     seq, out, speculation, cached = list(prompt), [], None, None
-    overlap, start = Overlap(threaded, device), time.perf_counter()
+    overlap = Overlap(threaded, device)
+    tally = SsdTally(k, *costs)
+    start = tally.rounds.start
     try:
         while len(out) < n_new:
             n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
@@ -385,4 +385,4 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
             speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, tally)
     finally:
         overlap.close()
-    return out, tally.stats(out, start, device, threaded)
+    return out, tally.stats(out, device, threaded)
