@@ -272,6 +272,10 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert not any(k.startswith(("embed.", "blocks.")) for k in head["model"])  # the head's own weights only
     with pytest.raises(UserError, match="--feature-layers and --drafter-layers apply to --model dflash only"):
         train.main([*eagle, "--feature-layers", "1", "--out", str(tmp_path / "x")])
+    for flags, message in ((["--experts", "4"], "--experts and --top-k apply"),  # a drafter once ignored these
+                           (["--routing", "block"], "--routing applies"), (["--noise-block", "8"], "--noise-block")):
+        with pytest.raises(UserError, match=message):
+            train.main([*eagle, *flags, "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="--regenerate trains a draft"):
         train.main(argv(story_file, tmp_path / "y", "--regenerate", "2"))
     with pytest.raises(UserError, match="needs --target"):

@@ -13,6 +13,7 @@ from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
 from tinydiff.kinds import load_model, model_from
 from tinydiff.model import Transformer, preset
+from tinydiff.run_config import DRAFTERS
 
 
 def load_target(run: dict, device: str):
@@ -41,65 +42,80 @@ def check_init_shape(run: dict, config, wanted: dict):
                             f"pass --{flag.replace('_', '-')} to match, or start without --init")
 
 
-def build_model(run: dict, device: str, ckpt=None, path=None):
-    """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
+def check_flags_fit(run: dict):
+    """Each model-specific flag is given only to the model it applies to, never silently ignored."""
     if (run["feature_layers"] or run["drafter_layers"] is not None) and run["model"] != "dflash":
         raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
                         "fusing 3 fixed target layers)")
     if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
         raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
-    from_init = run["model"] in ("dflash", "eagle3") and run["init"] and ckpt is None
+    if (run["experts"] is not None or run["top_k"] is not None) and run["model"] != "mdlm-moe":
+        raise UserError("--experts and --top-k apply to --model mdlm-moe only")
+    if run["routing"] != "token" and run["model"] != "mdlm-moe":
+        raise UserError("--routing applies to --model mdlm-moe only")
+    if run["distill"] and run["model"] not in ("mdlm", "mdlm-moe"):
+        raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
+
+
+def build_model(run: dict, device: str, ckpt=None, path=None):
+    """The run's model: from its checkpoint when resuming, else fresh (or --init's weights)."""
+    check_flags_fit(run)
+    if run["model"] in DRAFTERS:
+        return build_drafter(run, device, ckpt, path)
+    if ckpt is not None:  # resuming: the checkpoint's model, as it was saved
+        return model_from(ckpt, path, device)
+    return with_run_options(new_language_model(run, device), run)
+
+
+def build_drafter(run: dict, device: str, ckpt=None, path=None):
+    """A DFlash drafter or an EAGLE-3 head around the frozen --target: fresh, resumed, or --init's."""
+    from_init = run["init"] and ckpt is None
     if from_init:  # a new run that continues a drafter's weights
         ckpt, path = init_checkpoint(run), run["init"]
+    target = load_target(run, device)
     if run["model"] == "dflash":
-        target = load_target(run, device)
         given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"]}
         overrides = {key: value for key, value in given.items() if value is not None}
         if ckpt is None:
             return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
                                  target)
-        drafter = drafter_from(ckpt, target, path)
-        if from_init:
-            check_init_shape(run, drafter.config, {"block_size": run["block_size"], **overrides})
-        return drafter
-    if run["model"] == "eagle3":
-        target = load_target(run, device)
+        drafter, wanted = drafter_from(ckpt, target, path), {"block_size": run["block_size"], **overrides}
+    else:
         if ckpt is None:
             return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
-        head = head_from(ckpt, target, path)
-        if from_init:
-            check_init_shape(run, head.config, {"steps_ahead": run["steps_ahead"]})
-        return head
+        drafter, wanted = head_from(ckpt, target, path), {"steps_ahead": run["steps_ahead"]}
+    if from_init:
+        check_init_shape(run, drafter.config, wanted)
+    return drafter
+
+
+def new_language_model(run: dict, device: str):
+    """A new run's AR or diffusion LM: a distillation student, --init's weights (an AR checkpoint
+    adapted to diffusion), or fresh from the preset."""
     moe_shape = {key: value for key, value in (("n_experts", run["experts"]), ("moe_top_k", run["top_k"]))
                  if value is not None}
-    if moe_shape and run["model"] != "mdlm-moe":
-        raise UserError("--experts and --top-k apply to --model mdlm-moe only")
-    if ckpt is not None:
-        return model_from(ckpt, path, device)
+    overrides = {"context": run["context"]} if run["context"] else {}
     if run["distill"]:
-        if run["model"] not in ("mdlm", "mdlm-moe"):
-            raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
-        model = student_from(run["distill"], run["model"], run["init"], device)
-    elif run["init"]:
+        return student_from(run["distill"], run["model"], run["init"], device)
+    if run["init"]:
         init = init_checkpoint(run)
-        adapt = init["kind"] == "ar" and run["model"] == "mdlm"
         model = model_from(init, run["init"], device)
         check_init_shape(run, model.config, moe_shape)
-        if adapt:  # AR-to-diffusion adaptation (Dream 7B): the AR weights, bidirectional attention, and
-            # the AR head's alignment kept (output i predicts token i+1; see tinydiff/diffusion.py)
+        if init["kind"] == "ar" and run["model"] == "mdlm":  # AR-to-diffusion adaptation (Dream 7B): the AR
+            # weights, bidirectional attention, and the AR head's alignment kept (output i predicts token i+1)
             model.config = replace(model.config, causal=False, shift=True)
-    elif run["model"] == "mdlm-moe":
-        overrides = {"context": run["context"]} if run["context"] else {}
-        model = MoETransformer(moe_config(run["preset"], **overrides, **moe_shape)).to(device)
-    else:
-        overrides = {"context": run["context"]} if run["context"] else {}
-        model = Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
+        return model
+    if run["model"] == "mdlm-moe":
+        return MoETransformer(moe_config(run["preset"], **overrides, **moe_shape)).to(device)
+    return Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
+
+
+def with_run_options(model, run: dict):
+    """The run's expert routing (mdlm-moe) and its noise blocks (None keeps --init's objective)."""
     if run["model"] == "mdlm-moe":
         set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
                     mask_vote=run["route_mask_vote"])
-    elif run["routing"] != "token":
-        raise UserError("--routing applies to --model mdlm-moe only")
-    if run["noise_block"] is not None:  # None keeps --init's objective
+    if run["noise_block"] is not None:
         block, context = run["noise_block"], model.config.context
         if block < 0 or (block and context % block):
             raise UserError(f"--noise-block takes 0 (one noise level per window) or a block that divides the "
