@@ -163,6 +163,12 @@ def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
 
 
+def test_bench_refuses_a_json_path_it_cannot_write_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "load_models", lambda args: pytest.fail("loaded models before checking --json"))
+    with pytest.raises(UserError, match="--json .*x.json: its folder does not exist"):
+        bench.main(["--methods", "ar", "--json", str(tmp_path / "missing" / "x.json")])
+
+
 def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     from tinydiff.dmoe import MoETransformer, moe_config
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8))

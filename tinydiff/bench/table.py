@@ -22,6 +22,7 @@ Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, t
 """
 import json
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -62,8 +63,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def check_args(args) -> list[str]:
+    """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -73,16 +74,14 @@ def main(argv=None):
                         f"held-out story openings), got {args.prompts}")
     if not 0 <= args.entropy_bound < float("inf"):
         raise UserError(f"--entropy-bound must be a finite number of nats >= 0, got {args.entropy_bound}")
-    if args.report:
-        return write_report(args, methods)
-    tokenizer = Tokenizer()
-    prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
-    models = load_models(args)
-    too_big = [m for m in methods if m.startswith("dflash-b") and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
-    if too_big:
-        print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
-              f"{models['drafter'].config.block_size}", file=sys.stderr)
-        methods = [m for m in methods if m not in too_big]
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UserError(f"--json {args.json}: its folder does not exist; create it or pass another path")
+    return methods
+
+
+def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict], float]:
+    """(one row per method, Leviathan's c): each method's totals over the prompts, with the columns
+    derived from them (speedup over `ar`, Leviathan's prediction, the tree and SSD comparisons)."""
     nll = heldout_nll(models, args, tokenizer, sorted({USES.get(m, "mdlm") for m in methods})) if args.data else {}
     # Leviathan's c: a draft forward's cost over a target forward's, both one cached token.
     args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),
@@ -94,8 +93,11 @@ def main(argv=None):
         rows.append({"method": name, **measure(METHODS[name], models, prompts, args),
                      "heldout_nll": nll_row, "heldout_bpb": bpb_row})
     ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
     for row in rows:
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar_speed if ar_speed else None
+        if "nodes_per_round" in row and dflash:
+            row["speedup_vs_dflash"] = row["tokens_per_s"] / dflash
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
             k = int(row["method"][len("spec-k"):])
             row["predicted_speedup"] = leviathan_speedup(row["alpha"], k, c)
@@ -103,9 +105,11 @@ def main(argv=None):
                 row["loop_c"], row["loop_v"] = row["seconds_per_draft"] * ar_speed, row["seconds_per_verify"] * ar_speed
                 row["predicted_at_loop_costs"] = (expected_tokens_per_round(row["alpha"], k)
                                                   / (k * row["loop_c"] + row["loop_v"]))
-    report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
-    print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
-          f"temperature {args.temperature}")
+    return rows, c
+
+
+def print_table(rows: list[dict], c: float):
+    """The table, the formulas behind its columns, and each row's extra lines (loop costs, trees, SSD, dMoE)."""
     print(f"{'method':<22}{'tokens/s':>10}{'target fwd/token':>18}{'tau':>7}{'speedup vs ar':>15}"
           f"{'heldout nll':>13}{'bits/byte':>11}{'alpha':>7}{'Leviathan':>11}{'loop costs':>12}")
     for r in rows:
@@ -126,10 +130,6 @@ def main(argv=None):
         if "loop_c" in r:
             print(f"{r['method']}: one draft {r['loop_c']:.2f}, one verify {r['loop_v']:.2f} `ar` steps")
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
-    dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
-    for r in rows:
-        if "nodes_per_round" in r and dflash:
-            r["speedup_vs_dflash"] = r["tokens_per_s"] / dflash
     for r in rows:
         if "hit_rate" in r:
             measured = f"{r['tokens_per_s'] / spec4:.2f}x spec-k4 measured, " if spec4 else ""
@@ -142,6 +142,26 @@ def main(argv=None):
             print(f"{r['method']}: {r['unique_experts_per_block']:.1f} unique experts per 32-token block, "
                   f"{r['expert_bytes_per_forward'] / 1e6:.2f} MB of expert weights per forward, "
                   f"{1e3 * r['moe_seconds_per_forward']:.1f} ms in MoE layers per forward")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    methods = check_args(args)
+    if args.report:
+        return write_report(args, methods)
+    tokenizer = Tokenizer()
+    prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
+    models = load_models(args)
+    too_big = [m for m in methods if m.startswith("dflash-b") and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
+    if too_big:
+        print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
+              f"{models['drafter'].config.block_size}", file=sys.stderr)
+        methods = [m for m in methods if m not in too_big]
+    rows, c = measure_rows(args, methods, models, prompts, tokenizer)
+    report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
+    print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
+          f"temperature {args.temperature}")
+    print_table(rows, c)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
