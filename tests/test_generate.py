@@ -44,6 +44,8 @@ def test_json_output(ckpt):
     (["--prompt", "word " * 40], "context is 32"),
     (["--prompt", "hi", "--max-new-tokens", 0], "max new tokens"),
     (["--prompt", "hi", "--temperature", -1], "temperature"),
+    (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number"),  # it once wrote MASK ids
+    (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),
 ])
 def test_bad_input_is_one_line(ckpt, args, message):
     res = run("--ckpt", ckpt, *args)

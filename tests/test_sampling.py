@@ -39,7 +39,8 @@ def test_sample_is_seeded_and_respects_support():
     assert probs.gather(-1, a[:, None]).min() > 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                    dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan"))])
 def test_bad_warp_arguments(kwargs):
     with pytest.raises(UserError):
         warp(torch.zeros(1, 4), **{"temperature": 1.0, **kwargs})

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
-from tinydiff.sampling import next_token_probs, sample
+from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.tokenizer import EOT
 
 
@@ -48,6 +48,7 @@ def ar_generate(model, prompt, max_new_tokens=None, temperature=1.0, top_k=None,
     Stops after `max_new_tokens` (default: until the context is full) or after emitting
     `stop_token` (None: never). stats: forwards, new_tokens, seconds, tokens_per_s.
     """
+    check_warp_args(temperature, top_k, top_p)
     n_new = check_prompt(prompt, model.config.context, max_new_tokens)
     device = model.embed.weight.device
     cache = model.new_cache(1)

@@ -14,8 +14,8 @@ from tinydiff.tokenizer import MASK
 
 
 def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
-    if temperature < 0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN fails too: it would turn every probability into NaN
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
