@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinydiff.checkpoint import brief_error
 from tinydiff.errors import UserError
 from tinydiff.model import Block, ModelConfig, Transformer
 
@@ -65,5 +66,5 @@ def rebuild_around(target, ckpt: dict, config_class, drafter_class, what: str, p
     try:
         drafter.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit {what}'s config ({' '.join(str(e).split())[:160]})") from None
+        raise UserError(f"{path}: weights do not fit {what}'s config ({brief_error(e)})") from None
     return drafter.eval()

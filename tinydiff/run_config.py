@@ -30,6 +30,11 @@ def layer_ids(text: str) -> list[int]:
     return [int(i) for i in text.split(",")]
 
 
+def flag(setting_name: str) -> str:
+    """The command-line flag of a run setting: max_steps -> --max-steps."""
+    return "--" + setting_name.replace("_", "-")
+
+
 def setting(default, help: str, group: str = "", **argparse_options):
     """A RunConfig field: its default, its --help text, its group in --help, argparse's type/choices."""
     return field(default=default, metadata={"help": help, "group": group, **argparse_options})
@@ -91,14 +96,13 @@ class RunConfig:
     def __post_init__(self):
         for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
             if getattr(self, key) < 1:
-                raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+                raise UserError(f"{flag(key)} must be >= 1, got {getattr(self, key)}")
         for key in ("lr", "min_lr", "weight_decay", "grad_clip", "route_threshold", "route_mask_vote"):
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value >= 0):
-                raise UserError(f"--{key.replace('_', '-')} must be a finite number >= 0, got {value}")
+                raise UserError(f"{flag(key)} must be a finite number >= 0, got {value}")
         if not self.distill and any(getattr(self, key) is not None for key in DISTILL_TUNING):
-            raise UserError("--distill-stories, --certainty-weight, --distill-loss, --teacher-temperature and "
-                            "--anchor-weight tune --distill TEACHER_CKPT: add it")
+            raise UserError(f"{', '.join(flag(key) for key in DISTILL_TUNING)} tune --distill TEACHER_CKPT: add it")
         if self.openings == "target" and not self.regenerate:
             raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
 
@@ -115,7 +119,7 @@ def add_flags(parser: argparse.ArgumentParser):
         text = f.metadata["help"]
         if f.default is not None and "default" not in text:
             text += f" (default {f.default})"
-        groups[f.metadata["group"]].add_argument(f"--{f.name.replace('_', '-')}", help=text, **options)
+        groups[f.metadata["group"]].add_argument(flag(f.name), help=text, **options)
 
 
 def given_settings(args: argparse.Namespace) -> dict:

@@ -36,6 +36,7 @@ from tinydiff import kernels
 from tinydiff.ar import check_prompt
 from tinydiff.diffusion import subs_logits
 from tinydiff.errors import UserError
+from tinydiff.sampling import check_warp_args
 from tinydiff.tokenizer import MASK
 
 REMASKING = ("low_confidence", "random", "low_entropy")
@@ -128,8 +129,7 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
     blocks = gen_length // block_length
     if steps < blocks or steps % blocks:
         raise UserError(f"steps {steps} must be a positive multiple of the number of blocks ({blocks})")
-    if not 0 <= temperature < float("inf"):  # NaN fails too
-        raise UserError(f"temperature must be a finite number >= 0 (0 = argmax), got {temperature}")
+    check_warp_args(temperature, None, None)
     if remasking not in REMASKING:
         raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
     if threshold is not None and not 0 < threshold <= 1:

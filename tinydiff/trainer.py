@@ -28,7 +28,7 @@ from tinydiff.eagle import eagle_loss
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
-from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, given_settings, migrate, new_run
+from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, flag, given_settings, migrate, new_run
 from tinydiff.run_model import build_model, load_target
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -55,7 +55,7 @@ def defaults(args, device: str) -> dict:
     run = new_run(args, "13m" if device.startswith("cuda") else "tiny")
     if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
-    given = [f"--{key.replace('_', '-')}" for key in STUDENT_SHAPE if getattr(args, key) is not None]
+    given = [flag(key) for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
     return run
@@ -66,7 +66,7 @@ def resumed_settings(args, ckpt: dict, path) -> dict:
     run = migrate(ckpt["args"], path)
     for key, given in given_settings(args).items():
         if given != run[key]:
-            raise UserError(f"--{key.replace('_', '-')} {given} differs from the run in {path} "
+            raise UserError(f"{flag(key)} {given} differs from the run in {path} "
                             f"({run[key]}); drop the flag to resume, or start a new run with another --out")
     return run
 
