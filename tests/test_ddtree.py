@@ -14,10 +14,11 @@ import itertools
 
 import pytest
 import torch
-from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, Oracle, TreeOracle, TreeTableTarget, assert_caches_equal,
-                           assert_follows_the_joint, assert_same, check_block_counts, exact_joint, float64,
-                           random_drafter, random_model, recorded_run, sample_counts)
+from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint, assert_same,
+                           check_block_counts, exact_joint, float64, random_drafter, random_model, recorded_run,
+                           sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from table_models import Oracle, TreeOracle, TreeTableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.ddtree import Tree, build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree
@@ -364,7 +365,7 @@ def test_bad_input_is_a_clear_error(models):
 # test_dflash's design: V = 6, 3 new tokens after a 2-token prompt, chi-square against the enumerated
 # joint at significance 1e-3, power asserted from the joint. The target is test_dflash's (two layers,
 # small embeddings: a flat joint), read through a table that also answers tree-masked forwards
-# (TreeTableTarget in stats_helpers).
+# (TreeTableTarget in table_models).
 
 DIST_CASES = {  # oracle drafter (else random), temperature, top_k, top_p, budget, samples
     "random drafter, budget 4": (False, 1.0, None, None, 4, 5_500),

@@ -15,10 +15,11 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn.functional as F
-from stats_helpers import (DFLASH_DIST_CONFIG, EXACT, NEW, PROMPT, Oracle, TableTarget, assert_caches_equal,
-                           assert_follows_the_joint, assert_same, check_block_counts, exact_joint, float64,
-                           random_drafter, random_model, recorded_run, sample_counts)
+from stats_helpers import (DFLASH_DIST_CONFIG, EXACT, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint,
+                           assert_same, check_block_counts, exact_joint, float64, random_drafter, random_model,
+                           recorded_run, sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from table_models import Oracle, TableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, default_decay, dflash_loss, draft_block,
@@ -318,7 +319,7 @@ def test_bad_input_is_a_clear_error(models):
 # enumerated joint at significance 1e-3, power asserted from the joint. Here the target has two
 # layers (its feature layer is [1]) and small embeddings, which makes its joint flat enough for
 # ~5,500 samples. MASK = 50257 lies outside V: the drafter embeds MASK slots with its own vector.
-# The target is DFLASH_DIST_CONFIG, read through TableTarget (stats_helpers).
+# The target is DFLASH_DIST_CONFIG, read through TableTarget (table_models).
 DIST_CASES = {  # rule, oracle drafter (else random), temperature, top_k, top_p, samples, table target
     "match, oracle drafter": ("match", True, 1.0, None, None, 5_500, True),
     "reject, random drafter": ("reject", False, 1.0, None, None, 5_500, True),

@@ -12,10 +12,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from stats_helpers import (DFLASH_DIST_CONFIG, EXACT, NEW, PROMPT, TableTarget, TreeTableTarget,
-                           assert_caches_equal, assert_follows_the_joint, assert_same, check_block_counts, exact_joint,
-                           float64, random_model, recorded_run, sample_counts)
+from stats_helpers import (DFLASH_DIST_CONFIG, EXACT, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint,
+                           assert_same, check_block_counts, exact_joint, float64, random_model, recorded_run,
+                           sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from table_models import TableTarget, TreeTableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint, save_checkpoint

@@ -12,9 +12,10 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, TableModel, TokenCache, assert_alpha, assert_follows_the_joint,
-                           assert_same, exact_joint, one_hot, perturbed, random_model, recorder)
+from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, assert_alpha, assert_follows_the_joint, assert_same,
+                           exact_joint, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
+from table_models import TableModel, TokenCache
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError

@@ -12,9 +12,10 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DELTA, Z_ALPHA, TableModel, assert_alpha, assert_follows_the_joint, chi2_quantile,
-                           exact_joint, noncentral_chi2_sf, one_hot, perturbed, random_model, recorder)
+from stats_helpers import (DELTA, Z_ALPHA, assert_alpha, assert_follows_the_joint, chi2_quantile, exact_joint,
+                           noncentral_chi2_sf, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
+from table_models import TableModel
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
