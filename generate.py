@@ -32,7 +32,8 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
-from tinydiff.cli import add_device, make_parser
+from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, SEED, TEMPERATURE, Rule
+from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import dflash_generate
@@ -50,11 +51,22 @@ from tinydiff.tokenizer import EOT, Tokenizer
 METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "ddtree": ("ar",), "eagle3": ("ar",),
            "diffusion": ("mdlm", "mdlm-moe")}
 DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
+AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
+DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise",
+                   "cached", "no_animate", "routing", "route_threshold", "route_guard", "route_mask_vote")
+# flag -> the methods that read it; a flag given to another method is an error, never ignored
+USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
+           "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
+           "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
+           **{key: ("diffusion",) for key in DIFFUSION_FLAGS}}
+
+
+BLOCK = Rule(integer=True, lo=2, hi=1024)  # a drafter's block: the last committed token and B-1 drafts
 
 
 def fan_out(text: str):
     """'3' -> 3 (every accepted count); '0,0,0,0,1' -> [0, 0, 0, 0, 1] (one count per accepted 0..k)."""
-    return [int(f) for f in text.split(",")] if "," in text else int(text)
+    return [COUNT_OR_NONE(f) for f in text.split(",")] if "," in text else COUNT_OR_NONE(text)
 
 
 def parse_args(argv=None):
@@ -62,44 +74,55 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
     p.add_argument("--prompt", required=True, help="the story's opening")
     p.add_argument("--method", choices=sorted(METHODS), help="default: the checkpoint's own")
-    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
+    p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
     add_device(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
+    p.add_argument("--temperature", type=TEMPERATURE, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
     ar = p.add_argument_group("ar")
-    ar.add_argument("--max-new-tokens", type=int, help="default: until the story ends or the context is full")
-    ar.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
-    ar.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    ar.add_argument("--max-new-tokens", type=COUNT, help="default: until the story ends or the context is full")
+    ar.add_argument("--top-k", type=COUNT_OR_NONE, default=50, help="sample among the k likeliest tokens (0 = all)")
+    ar.add_argument("--top-p", type=MASS, help="nucleus sampling mass")
     spec = p.add_argument_group("spec (speculative decoding of an AR target)")
     spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
-    spec.add_argument("--k", type=int, default=4, help="draft tokens proposed per target forward")
+    spec.add_argument("--k", type=COUNT, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
     spec.add_argument("--fan-out", type=fan_out, default=3,
                       help="--method ssd: bonus tokens pre-drafted per accepted count, or k+1 counts "
                            "(0,0,0,0,1: only after all 4 drafts pass, the fastest on a CPU)")
     spec.add_argument("--drafter", help="--method dflash/ddtree: the DFlash drafter; --method eagle3: the EAGLE-3 head")
-    spec.add_argument("--block-size", type=int, help="--method dflash/ddtree: block size (default: the drafter's)")
-    spec.add_argument("--budget", type=int, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "
+    spec.add_argument("--block-size", type=BLOCK, help="--method dflash/ddtree: block size (default: the drafter's)")
+    spec.add_argument("--budget", type=COUNT, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "
                       "instead of a chain of --k)")
-    spec.add_argument("--branch", type=int, default=4, help="--method eagle3 with --budget: children per tree node")
+    spec.add_argument("--branch", type=COUNT, default=4, help="--method eagle3 with --budget: children per tree node")
     diff = p.add_argument_group("diffusion")
-    diff.add_argument("--gen-length", type=int, default=128, help="tokens on the canvas after the prompt")
-    diff.add_argument("--steps", type=int, help="forward passes in all (default: gen-length, one token per step)")
-    diff.add_argument("--block-length", type=int, default=32, help="blocks are filled left to right")
+    diff.add_argument("--gen-length", type=COUNT, default=128, help="tokens on the canvas after the prompt")
+    diff.add_argument("--steps", type=COUNT, help="forward passes in all (default: gen-length, one token per step)")
+    diff.add_argument("--block-length", type=COUNT, default=32, help="blocks are filled left to right")
     diff.add_argument("--remasking", choices=REMASKING, default="low_confidence", help="which positions to commit")
-    diff.add_argument("--threshold", type=float, help="commit every position at least this confident (parallel decoding)")
-    diff.add_argument("--entropy-bound", type=float, help="commit the most confident run of positions whose entropies, "
+    diff.add_argument("--threshold", type=MASS, help="commit every position at least this confident (parallel decoding)")
+    diff.add_argument("--entropy-bound", type=NATS, help="commit the most confident run of positions whose entropies, "
                       "less the largest, sum to at most this many nats (EB-Sampler; parallel decoding)")
-    diff.add_argument("--revise", type=int, default=0, help="self-correction steps per block (re-predict the least confident)")
+    diff.add_argument("--revise", type=COUNT_OR_NONE, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
     moe = p.add_argument_group("mdlm-moe checkpoints")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: the checkpoint's)")
-    moe.add_argument("--route-threshold", type=float, help="block routing: coreset mass")
-    moe.add_argument("--route-guard", type=int, help="block routing: at least this many experts")
-    moe.add_argument("--route-mask-vote", type=float,
+    moe.add_argument("--route-threshold", type=MASS, help="block routing: coreset mass")
+    moe.add_argument("--route-guard", type=COUNT, help="block routing: at least this many experts")
+    moe.add_argument("--route-mask-vote", type=POSITIVE,
                      help="block routing: a MASK token's vote, against a committed token's 1")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = given_flags(p, argv)
+    return args
+
+
+def check_flags_apply(args, method: str):
+    """Every flag given is one `method` reads."""
+    stray = sorted(key for key in args.given if method not in USED_BY.get(key, (method,)))
+    if stray:
+        names = ", ".join("--" + key.replace("_", "-") for key in stray)
+        raise UserError(f"{names} do{'es' if len(stray) == 1 else ''} not apply to --method {method}; drop "
+                        f"{'it' if len(stray) == 1 else 'them'}")
 
 
 class CanvasView:
@@ -130,16 +153,19 @@ def apply_speculative_config(args):
     except json.JSONDecodeError as e:
         raise UserError(f"--speculative-config is not valid JSON ({e.msg}); e.g. "
                         '\'{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}\'') from None
-    if not isinstance(config, dict) or config.get("method") not in ("draft_model", "dflash") or "model" not in config:
+    if (not isinstance(config, dict) or config.get("method") not in ("draft_model", "dflash")
+            or not isinstance(config.get("model"), str) or not config["model"]):
         raise UserError('--speculative-config needs {"method": "draft_model" or "dflash", "model": PATH, ...}')
     n = config.get("num_speculative_tokens")
+    if n is not None:
+        COUNT.check("--speculative-config's num_speculative_tokens", n)
     if config["method"] == "dflash":
         args.method, args.drafter = "dflash", config["model"]
-        args.block_size = n + 1 if n else args.block_size  # n drafts fill a block of n + 1
+        args.block_size = args.block_size if n is None else n + 1  # n drafts fill a block of n + 1
     else:
         if args.draft and args.draft != config["model"]:
             raise UserError("--draft and --speculative-config name different drafts; pass one of them")
-        args.method, args.draft, args.k = "spec", config["model"], n or args.k
+        args.method, args.draft, args.k = "spec", config["model"], args.k if n is None else n
 
 
 def run_speculative(model, prompt, args, generator, warping):
@@ -165,13 +191,13 @@ def run_speculative(model, prompt, args, generator, warping):
                               generator)
     drafter = drafter_from(drafter_ckpt, model, args.drafter)
     if args.method == "ddtree":
-        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, args.budget or 32,
-                               *warping, generator)
+        budget = 32 if args.budget is None else args.budget
+        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
 
 
 def run_diffusion(model, prompt, args, generator, callback):
-    steps = args.steps or args.gen_length
+    steps = args.gen_length if args.steps is None else args.steps
     common = dict(temperature=args.temperature, remasking=args.remasking, threshold=args.threshold,
                   entropy_bound=args.entropy_bound, generator=generator, callback=callback)
     if args.cached:
@@ -192,6 +218,7 @@ def stats_line(stats: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    check_device(args.device)
     if args.speculative_config:
         apply_speculative_config(args)
     tokenizer = Tokenizer()
@@ -200,6 +227,7 @@ def main(argv=None):
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
                         f"{args.ckpt} holds a {ckpt['kind']} model")
+    check_flags_apply(args, method)
     moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold, args.route_guard,
                              args.route_mask_vote) is not None  # the saved expert routing unless a flag says otherwise
     if not args.prompt.strip():
@@ -235,7 +263,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(run_main(main))

@@ -11,11 +11,8 @@ drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG st
 """
 import sys
 
-from tinydiff.errors import UserError
-from tinydiff.trainer import main
+from tinydiff.cli import run_main
+from tinydiff.trainer import INTERRUPTED, main
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(run_main(main, interrupted=INTERRUPTED))

@@ -143,14 +143,14 @@ def test_falls_back_to_cache_dir_when_data_dir_not_writable(tmp_path, monkeypatc
     ro = tmp_path / "readonly"
     ro.mkdir()
     src = write_stories(ro / "s.txt", stories(20))
-    real_mkstemp = data.tempfile.mkstemp
+    real_temp = data.temp_beside
 
-    def mkstemp(*args, dir=None, **kw):
-        if Path(dir) == ro:
-            raise PermissionError(13, "Permission denied", str(dir))
-        return real_mkstemp(*args, dir=dir, **kw)
+    def temp_beside(path):  # as root, a folder's mode bits stop no write: the refusal is simulated
+        if path.parent == ro:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_temp(path)
 
-    monkeypatch.setattr(data.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(data, "temp_beside", temp_beside)
     cache = tmp_path / "cache"
     train, val = data.prepare_tokens(str(src), str(cache))
     assert train.parent == val.parent == cache and train.name.startswith("s.txt-")
@@ -209,10 +209,10 @@ def test_bad_local_files(tmp_path):
 def test_nowhere_writable(tmp_path, monkeypatch):
     src = write_stories(tmp_path / "s.txt", stories(4))
 
-    def mkstemp(*args, **kw):
+    def temp_beside(path):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(data.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(data, "temp_beside", temp_beside)
     with pytest.raises(UserError, match="PermissionError.*writable --cache-dir"):
         data.prepare_tokens(src, tmp_path / "cache")
 

@@ -288,7 +288,7 @@ def test_bad_settings_fail_with_a_message():
     with pytest.raises(UserError, match="threshold"):
         set_routing(tiny_moe(), "block", threshold=1.5)
     for vote in (0.0, -1.0, float("inf")):
-        with pytest.raises(UserError, match="a MASK token's vote must be a positive number"):
+        with pytest.raises(UserError, match="route_mask_vote must be a finite number > 0"):
             set_routing(tiny_moe(), "block", mask_vote=vote)
     with pytest.raises(UserError):
         block_routing(torch.rand(2, 8, 4), 2, 4, 0.0, 2)

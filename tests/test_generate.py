@@ -42,10 +42,10 @@ def test_json_output(ckpt):
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "the prompt is empty"),
     (["--prompt", "word " * 40], "context is 32"),
-    (["--prompt", "hi", "--max-new-tokens", 0], "max new tokens"),
+    (["--prompt", "hi", "--max-new-tokens", 0], "--max-new-tokens: must be an integer >= 1"),
     (["--prompt", "hi", "--temperature", -1], "temperature"),
-    (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number"),  # it once wrote MASK ids
-    (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),
+    (["--prompt", "hi", "--temperature", "nan"], "--temperature: must be 0 or a finite number"),  # it once wrote MASK ids
+    (["--prompt", "hi", "--temperature", "inf"], "--temperature: must be 0 or a finite number"),
 ])
 def test_bad_input_is_one_line(ckpt, args, message):
     res = run("--ckpt", ckpt, *args)
@@ -139,7 +139,7 @@ def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
     (["--method", "ar"], "needs a ar checkpoint"),
-    (["--gen-length", 8, "--block-length", 4, "--entropy-bound", -1], "entropy bound must be a finite number"),
+    (["--gen-length", 8, "--block-length", 4, "--entropy-bound", -1], "--entropy-bound: must be a finite number >= 0"),
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", 0.5, "--threshold", 0.9], "not both"),
 ])
 def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
@@ -160,14 +160,14 @@ def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
     assert block["stats"]["unique_experts_per_block"] <= saved["unique_experts_per_block"]
     for path, flags, message in ((tmp_path / "moe.pt", ["--route-guard", 3], "--route-guard tunes block routing; add"),
                                  (tmp_path / "moe.pt", ["--route-mask-vote", 4], "--route-mask-vote tunes block"),
-                                 (ckpt, ["--routing", "block"], "--routing needs a mixture-of-experts (mdlm-moe)")):
+                                 (ckpt, ["--routing", "block"], "--routing do not apply to --method ar")):
         res = run("--ckpt", path, *common, *flags)
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
 
 
 def test_bench_refuses_a_json_path_it_cannot_write_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "load_models", lambda args: pytest.fail("loaded models before checking --json"))
-    with pytest.raises(UserError, match="--json .*x.json: its folder does not exist"):
+    with pytest.raises(UserError, match="--json .*x.json: its folder .* does not exist"):
         bench.main(["--methods", "ar", "--json", str(tmp_path / "missing" / "x.json")])
 
 
@@ -212,8 +212,6 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     assert rows["dmoe-block"]["expert_bytes_per_forward"] <= rows["dmoe-token"]["expert_bytes_per_forward"]
     with pytest.raises(UserError, match="unknown method"):
         bench.main(["--methods", "nope"])
-    with pytest.raises(UserError, match="--entropy-bound must be"):
-        bench.main(["--entropy-bound", "nan"])
 
 
 def test_canvas_view_redraws_in_place(capsys):

@@ -154,8 +154,6 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
         assert redone[key]["gen_ppl"] == row["gen_ppl"] and redone[key]["gen_ppl_95"] == list(row["gen_ppl_95"])
     with pytest.raises(UserError, match="other samples"):
         quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--samples", "3"])
-    with pytest.raises(UserError, match="entropy bounds"):
-        quality.main(args[:-6] + ["--entropy-bounds", "-1"])
     with pytest.raises(UserError, match="--draft adds"):
         quality.main(["--judge", str(tmp_path / "ar.pt"), "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt")])
 

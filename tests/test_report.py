@@ -125,7 +125,6 @@ def wrong_kind(path):
     (["--report", "docs", "--ckpt", "WRONG"], "holds a 'mdlm' model; the target must be a 'ar'"),
     (["--report", "docs", "--new-tokens", "500"], "--new-tokens must lie in"),
     (["--report", "bad-markers"], "leave one pair"),
-    (["--report", "docs", "--prompts", "0"], r"--prompts must lie in \[1, 4\] \(any count >= 1 with --report"),
     (["--prompts", "5"], r"--prompts must lie in \[1, 4\]"),
 ])
 def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, tmp_path, monkeypatch):

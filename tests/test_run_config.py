@@ -26,7 +26,7 @@ def test_a_new_run_is_the_defaults_with_the_flags_given():
 
 
 @pytest.mark.parametrize("setting, value, message", [
-    ("max_steps", 0, "--max-steps must be >= 1"), ("batch_size", -1, "--batch-size must be >= 1"),
+    ("max_steps", 0, "--max-steps must be an integer >= 1"), ("batch_size", -1, "--batch-size must be an integer >= 1"),
     ("lr", math.nan, "--lr must be a finite number"), ("grad_clip", -1.0, "--grad-clip must be a finite"),
     ("weight_decay", math.inf, "--weight-decay must be a finite"), ("anchor_weight", 1.0, "tune --distill"),
     ("openings", "target", "add --regenerate N"),

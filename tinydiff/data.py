@@ -12,7 +12,6 @@ stories, other datasets.
 import hashlib
 import json
 import os
-import tempfile
 from array import array
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from tinydiff.errors import UserError
+from tinydiff.files import remove_stale_temps, temp_beside
 from tinydiff.tokenizer import EOT, Tokenizer
 
 SEPARATOR = "<|endoftext|>"   # a line exactly this (bar its line ending) ends a story
@@ -81,6 +81,16 @@ def _gather(tokens, starts: list[int], length: int) -> torch.Tensor:
 
 # ---- the cache: (train.u16, val.u16, tokens.json), the json written last as the "done" stamp
 
+def tokens_digest(*paths) -> str:
+    """The sha256 of token files' contents: what identifies a run's data."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def _cache_paths(directory: Path, stem: str) -> tuple[Path, Path, Path]:
     return (directory / f"{stem}train.u16", directory / f"{stem}val.u16",
             directory / f"{stem}tokens.json")
@@ -98,14 +108,15 @@ def _reusable(paths, expected: dict) -> bool:
 
 
 def _temps(paths) -> list[Path]:
-    """Empty temp files beside the targets (same filesystem, so os.replace is atomic)."""
+    """Empty temp files beside the targets (same filesystem, so os.replace is atomic); the ones a
+    killed tokeniser left there go first."""
     paths[0].parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(paths[0].parent)
     temps = []
     try:
         for p in paths:
-            fd, name = tempfile.mkstemp(dir=p.parent, prefix=p.name + ".", suffix=".tmp")
-            os.close(fd)
-            temps.append(Path(name))
+            temps.append(temp_beside(p))
+            temps[-1].write_bytes(b"")
     except OSError:
         for t in temps:
             t.unlink(missing_ok=True)

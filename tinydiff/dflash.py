@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.drafter import ExtraKVBlock, check_target, init_around, rebuild_around, target_dims
+from tinydiff.checks import POSITIVE, SIZE, Rule, check_fields
+from tinydiff.drafter import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
@@ -87,17 +88,15 @@ class DFlashConfig:
     norm_eps: float = 1e-5          # RMSNorm epsilon (the target's)
 
     def __post_init__(self):
+        check_fields(self, {**TARGET_RULES, "n_layer": Rule(integer=True, lo=1, hi=64), "n_features": SIZE},
+                     "DFlash config")
         if self.feature_layers is None:
             self.feature_layers = feature_layers(self.target_layers, self.n_features)
-        self.feature_layers = [int(i) for i in self.feature_layers]
-        self.n_features = len(self.feature_layers)
         if self.loss_decay is None:
             self.loss_decay = default_decay(self.block_size)
-        if not all(0 <= i <= self.target_layers for i in self.feature_layers):
-            raise UserError(f"feature layer ids {self.feature_layers} must lie in [0, {self.target_layers}]")
-        if self.block_size < 2 or self.n_layer < 1 or self.anchors < 1 or self.loss_decay <= 0:
-            raise UserError(f"need block_size >= 2, n_layer >= 1, anchors >= 1, loss_decay > 0; got "
-                            f"{self.block_size}, {self.n_layer}, {self.anchors}, {self.loss_decay}")
+        check_drafter_config(self, {"block_size": Rule(integer=True, lo=2, hi=1024), "anchors": SIZE,
+                                    "loss_decay": POSITIVE}, "DFlash config")
+        self.n_features = len(self.feature_layers)
 
     @classmethod
     def for_target(cls, target_config: ModelConfig, **overrides) -> "DFlashConfig":

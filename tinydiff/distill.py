@@ -41,6 +41,7 @@ from tinydiff.data import sample_windows
 from tinydiff.diffusion import subs_logits
 from tinydiff.dmoe import balance_loss
 from tinydiff.errors import UserError
+from tinydiff.files import write_atomic
 from tinydiff.kinds import load_model, model_from
 from tinydiff.model import wide
 from tinydiff.regenerate import story_openings
@@ -156,9 +157,7 @@ def load_or_write(path, teacher, tokens, config: DistillConfig, seed: int, desc=
                             "run's; delete it or pass another --out")
         return out
     out = write_trajectories(teacher, tokens, config, seed, desc)
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, out)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: np.save(f, out, allow_pickle=False))
     return out
 
 

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from tinydiff import kernels
 from tinydiff.block_diffusion import diffusion_loss
+from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, check_fields
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
 from tinydiff.tokenizer import MASK
@@ -71,31 +72,30 @@ class MoEConfig(ModelConfig):
     route_mask_vote: float = 1.0   # block routing: a MASK token's vote, against a committed token's 1
 
     def __post_init__(self):
+        super().__post_init__()
+        check_fields(self, MOE_RULES, "model config")
         if self.expert_d_ff is None:
             self.expert_d_ff = max(1, self.d_ff // (self.moe_top_k + int(self.shared_expert)))
-        check_routing(self.routing, self.route_threshold, self.route_guard, self.route_block,
-                      self.moe_top_k, self.n_experts, self.route_mask_vote)
+        SIZE.check("model config expert_d_ff", self.expert_d_ff)
+        check_routing(self.routing, self.route_guard, self.moe_top_k, self.n_experts)
         if self.score not in SCORES:
             raise UserError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if self.expert_d_ff < 1 or self.balance_coef < 0:
-            raise UserError(f"expert_d_ff must be >= 1 and balance_coef >= 0, "
-                            f"got {self.expert_d_ff} and {self.balance_coef}")
 
 
-def check_routing(routing, threshold, guard, block_size, top_k, n_experts, mask_vote=1.0):
-    if n_experts < 1 or not 1 <= top_k <= n_experts:
+EXPERTS = Rule(integer=True, lo=1, hi=4096)
+MOE_RULES = {"n_experts": EXPERTS, "moe_top_k": EXPERTS, "shared_expert": bool, "balance_coef": WEIGHT,
+             "route_block": SIZE, "route_threshold": MASS, "route_guard": EXPERTS, "route_mask_vote": POSITIVE}
+
+
+def check_routing(routing, guard, top_k, n_experts):
+    """What MOE_RULES cannot say alone: the settings against each other."""
+    if not top_k <= n_experts:
         raise UserError(f"need 1 <= top_k <= n_experts, got top_k {top_k} with {n_experts} experts")
     if routing not in ROUTINGS:
         raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
-    if not 0 < threshold <= 1:
-        raise UserError(f"the routing threshold must lie in (0, 1], got {threshold}")
     if not top_k <= guard <= n_experts:
         raise UserError(f"the guard must lie in [top_k, n_experts] = [{top_k}, {n_experts}] (a token "
                         f"needs {top_k} experts in its block's coreset), got {guard}")
-    if block_size < 1:
-        raise UserError(f"the routing block size must be >= 1, got {block_size}")
-    if not 0 < mask_vote < math.inf:
-        raise UserError(f"a MASK token's vote must be a positive number, got {mask_vote}")
 
 
 def moe_config(name: str, **overrides) -> MoEConfig:

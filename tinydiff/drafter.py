@@ -8,8 +8,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff.checkpoint import brief_error
+from tinydiff.checks import Rule, check_fields
 from tinydiff.errors import UserError
-from tinydiff.model import Block, ModelConfig, Transformer
+from tinydiff.model import RULES, Block, ModelConfig, Transformer
+
+
+# The target's dimensions a drafter's config copies, checked as the target's own config is.
+TARGET_RULES = {**{key: RULES[key] for key in ("vocab_size", "context", "d_model", "n_head", "d_ff", "rope_base",
+                                               "norm_eps")}, "target_layers": RULES["n_layer"]}
+
+
+def check_drafter_config(config, rules: dict, what: str):
+    """A drafter config's own fields (`rules`), the target's dimensions, and its feature layer ids."""
+    check_fields(config, {**TARGET_RULES, **rules}, what)
+    if not isinstance(config.feature_layers, (list, tuple)):
+        raise UserError(f"{what} feature_layers must be a list of layer ids, got {config.feature_layers!r}")
+    layer = Rule(integer=True, lo=0, hi=config.target_layers)
+    config.feature_layers = [layer.check(f"{what} feature layer id", i) for i in config.feature_layers]
 
 
 def target_dims(t: ModelConfig) -> dict:

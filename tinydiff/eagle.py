@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.drafter import ExtraKVBlock, check_target, init_around, rebuild_around, target_dims
+from tinydiff.checks import MASS, Rule, check_fields
+from tinydiff.drafter import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, rebuild_around, target_dims
 from tinydiff.errors import UserError
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
 from tinydiff.sampling import next_token_probs
@@ -69,15 +70,14 @@ class EagleConfig:
     norm_eps: float = 1e-5          # RMSNorm epsilon (the target's)
 
     def __post_init__(self):
+        check_fields(self, TARGET_RULES, "EAGLE-3 config")
         if self.feature_layers is None:
             self.feature_layers = eagle_layers(self.target_layers)
-        self.feature_layers = [int(i) for i in self.feature_layers]
-        if len(self.feature_layers) != 3 or not all(0 <= i <= self.target_layers for i in self.feature_layers):
+        check_drafter_config(self, {"steps_ahead": Rule(integer=True, lo=1, hi=64), "step_decay": MASS},
+                             "EAGLE-3 config")
+        if len(self.feature_layers) != 3:
             raise UserError(f"feature_layers must be 3 ids (low, mid, high) in [0, {self.target_layers}], "
                             f"got {self.feature_layers}")
-        if not isinstance(self.steps_ahead, int) or self.steps_ahead < 1 or not 0 < self.step_decay <= 1:
-            raise UserError(f"need steps_ahead an integer >= 1 and 0 < step_decay <= 1; got "
-                            f"{self.steps_ahead!r}, {self.step_decay}")
 
     @classmethod
     def for_target(cls, target_config: ModelConfig, **overrides) -> "EagleConfig":

@@ -1,14 +1,19 @@
 """The model a checkpoint holds, rebuilt: each kind's config and model classes (every kind but the
 MoE diffusion LM is the plain Transformer; the drafters are rebuilt around their target by
-dflash.drafter_from and eagle.head_from), the config checked for fields this code does not know,
-and the weights checked to fit it.
+dflash.drafter_from and eagle.head_from). Before a weight is allocated the config is checked (its
+fields known, each value in range: the config classes' own rules) and the weights are matched,
+name by name and shape by shape, against a model built on the "meta" device, which costs no memory:
+a tampered config cannot make this machine allocate what the file does not hold.
 """
 from dataclasses import fields
+
+import torch
 
 from tinydiff.checkpoint import brief_error, load_checkpoint
 from tinydiff.dmoe import MoEConfig, MoETransformer
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
+from tinydiff.tokenizer import VOCAB_SIZE
 
 # kind -> (config class, model class); every other kind is a plain Transformer
 ARCHITECTURES = {"mdlm-moe": (MoEConfig, MoETransformer)}
@@ -20,16 +25,38 @@ def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
     unknown = set(ckpt["config"]) - known
     if unknown:
         raise UserError(f"{path}: config has fields this code does not know ({', '.join(sorted(unknown))})")
-    return config_class(**ckpt["config"])
+    try:
+        config = config_class(**ckpt["config"])
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    if config.vocab_size != VOCAB_SIZE:  # every model read from a file reads this tokenizer's ids
+        raise UserError(f"{path} has a vocabulary of {config.vocab_size:,} ids, not the {VOCAB_SIZE:,} of this "
+                        "project's tokenizer (GPT-2's and MASK); pass a checkpoint written by train.py")
+    return config
+
+
+def check_weights_fit(shell: torch.nn.Module, weights: dict, path):
+    """The checkpoint's weights are exactly the tensors `shell` (a meta-device model) has."""
+    want = {name: tuple(t.shape) for name, t in shell.state_dict().items()}
+    missing, unexpected = sorted(want.keys() - weights.keys()), sorted(weights.keys() - want.keys())
+    wrong = [name for name in want.keys() & weights.keys() if tuple(weights[name].shape) != want[name]]
+    if missing or unexpected or wrong:
+        detail = (f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+                  if unexpected else f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, its config needs {want[wrong[0]]}")
+        raise UserError(f"{path}: weights do not fit its config ({detail}); it is damaged or from another version")
 
 
 def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
     """Build the model a checkpoint describes and load its weights."""
     _, model_class = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
-    model = model_class(config_from(ckpt, path))
+    config = config_from(ckpt, path)
+    with torch.device("meta"):
+        shell = model_class(config)
+    check_weights_fit(shell, ckpt["model"], path)
+    model = model_class(config)
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
+    except RuntimeError as e:  # dtypes, after the names and shapes matched
         raise UserError(f"{path}: weights do not fit its config ({brief_error(e)})") from None
     return model.to(device)
 
@@ -37,6 +64,7 @@ def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
 def load_model(path, device="cpu", kinds=None):
     """(model in eval mode, checkpoint dict); `kinds` lists the acceptable checkpoint kinds."""
     ckpt = load_checkpoint(path)
-    if kinds is not None and ckpt.get("kind") not in kinds:
-        raise UserError(f"{path} holds a {ckpt.get('kind')!r} model; this needs one of: {', '.join(kinds)}")
+    if kinds is not None and ckpt["kind"] not in kinds:
+        wanted = list(dict.fromkeys(kinds))
+        raise UserError(f"{path} holds a {ckpt['kind']} model; this needs {' or '.join(wanted)}")
     return model_from(ckpt, path, device).eval(), ckpt

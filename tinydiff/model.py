@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff import kernels
+from tinydiff.checks import SIZE, Rule, check_fields
 from tinydiff.errors import UserError
 from tinydiff.tokenizer import VOCAB_SIZE
 
@@ -39,6 +40,15 @@ class ModelConfig:
     noise_block: int = 0          # diffusion only: trained with a noise level per N-token block (block_diffusion.py)
     rope_base: float = 10000.0    # RoPE frequency base
     norm_eps: float = 1e-5        # RMSNorm epsilon
+
+    def __post_init__(self):  # a config from a checkpoint is checked before any weight is allocated
+        check_fields(self, RULES, "model config")
+
+
+RULES = {"vocab_size": SIZE, "context": SIZE, "n_layer": Rule(integer=True, lo=1, hi=1024),
+         "n_head": Rule(integer=True, lo=1, hi=1024), "d_model": SIZE, "d_ff": SIZE, "causal": bool, "shift": bool,
+         "noise_block": Rule(integer=True, lo=0, hi=2**20), "rope_base": Rule(above=0, hi=1e12),
+         "norm_eps": Rule(above=0, hi=1)}
 
 
 PRESETS = {

@@ -18,14 +18,15 @@ import json
 import sys
 from importlib.util import find_spec
 
-import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.cli import add_device, make_parser
+from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, number_list
+from tinydiff.cli import add_device, check_device, make_parser, run_main
 from tinydiff.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
+from tinydiff.files import check_output
 from tinydiff.judge import distinct_n, perplexity_interval, sample_and_judge, sample_nlls, story  # noqa: F401
 from tinydiff.kinds import load_model
 from tinydiff.regenerate import story_openings
@@ -57,37 +58,32 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
 }
 
 
-def number_list(text: str) -> list[float]:
-    """'0.9,0.5' -> [0.9, 0.5]: argparse reports a ValueError here as a one-line usage error."""
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
 def parse_args(argv=None):
     p = make_parser("python -m tinydiff.quality", "Sample quality of every sampler: generative perplexity and distinct-2.")
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
     p.add_argument("--student", help="diffusion LM distilled for parallel decoding (train.py --distill)")
     p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
-    p.add_argument("--route-guard", type=int, help="block routing: at least this many experts (default: its own)")
-    p.add_argument("--route-threshold", type=float, help="block routing: coreset mass (default: its own)")
-    p.add_argument("--route-mask-vote", type=float, help="block routing: a MASK token's vote, against a "
+    p.add_argument("--route-guard", type=COUNT, help="block routing: at least this many experts (default: its own)")
+    p.add_argument("--route-threshold", type=MASS, help="block routing: coreset mass (default: its own)")
+    p.add_argument("--route-mask-vote", type=POSITIVE, help="block routing: a MASK token's vote, against a "
                    "committed token's 1 (default: its own)")
     p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
     p.add_argument("--draft", help="with --curve and --ar: an AR draft for the speculative point")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round for the speculative point")
-    p.add_argument("--samples", type=int, default=64, help="stories per sampler")
-    p.add_argument("--gen-length", type=int, default=64, help="tokens per sample")
-    p.add_argument("--block-length", type=int, default=32, help="the diffusion samplers fill blocks of this many tokens left to right")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every sampler")
-    p.add_argument("--threshold", type=float, default=0.9, help="for the *-threshold samplers")
-    p.add_argument("--entropy-bound", type=float, default=0.1, help="nats, for the *-entropy samplers: commit the "
+    p.add_argument("--k", type=COUNT, default=4, help="draft tokens per round for the speculative point")
+    p.add_argument("--samples", type=COUNT, default=64, help="stories per sampler")
+    p.add_argument("--gen-length", type=COUNT, default=64, help="tokens per sample")
+    p.add_argument("--block-length", type=COUNT, default=32, help="the diffusion samplers fill blocks of this many tokens left to right")
+    p.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature of every sampler")
+    p.add_argument("--threshold", type=MASS, default=0.9, help="for the *-threshold samplers")
+    p.add_argument("--entropy-bound", type=NATS, default=0.1, help="nats, for the *-entropy samplers: commit the "
                    "most confident run with sum(H) - max(H) under it (EB-Sampler)")
-    p.add_argument("--revise", type=int, default=4, help="self-correction steps per block, for diffusion-revise")
+    p.add_argument("--revise", type=COUNT_OR_NONE, default=4, help="self-correction steps per block, for diffusion-revise")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
     curve = p.add_argument_group("--curve: tokens per forward against quality")
     curve.add_argument("--curve", action="store_true", help="measure the curve instead of the --samplers table")
-    curve.add_argument("--thresholds", type=number_list, default=[0.9, 0.7, 0.5, 0.3], help="comma list")
-    curve.add_argument("--entropy-bounds", type=number_list, default=[0.1, 0.5, 1.0, 2.0], help="comma list, nats")
+    curve.add_argument("--thresholds", type=number_list(MASS), default=[0.9, 0.7, 0.5, 0.3], help="comma list")
+    curve.add_argument("--entropy-bounds", type=number_list(NATS), default=[0.1, 0.5, 1.0, 2.0], help="comma list, nats")
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")
@@ -118,17 +114,13 @@ def load_models(args) -> tuple[dict, str]:
 
 
 def check_args(args):
-    if args.samples < 1:
-        raise UserError(f"--samples must be >= 1, got {args.samples}")
+    check_device(args.device)
     if not (args.mdlm or args.ar or args.student):
         raise UserError("nothing to sample from; pass --mdlm, --student and/or --ar checkpoints")
     if args.draft and not (args.curve and args.ar):
         raise UserError("--draft adds the speculative point of --curve: pass --curve and --ar (its target)")
-    bounds = [args.entropy_bound, *(args.entropy_bounds if args.curve else [])]
-    if not all(0 <= e < float("inf") for e in bounds):
-        raise UserError(f"entropy bounds must be finite numbers of nats >= 0, got {bounds}")
-    if not all(0 < t <= 1 for t in [args.threshold, *(args.thresholds if args.curve else [])]):
-        raise UserError("thresholds must lie in (0, 1]")
+    for key in ("json", "plot"):  # written at the end: a folder that is not there fails now, not then
+        check_output(getattr(args, key), f"--{key}")
     if args.plot and find_spec("matplotlib") is None:  # before the minutes of sampling, not after
         raise UserError("--plot needs matplotlib: pip install -r requirements-plots.txt, or drop --plot")
 
@@ -217,7 +209,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(run_main(main))

@@ -21,6 +21,7 @@ import torch
 
 from tinydiff import progress
 from tinydiff.errors import UserError
+from tinydiff.files import write_atomic
 from tinydiff.sampling import next_token_probs, sample
 from tinydiff.tokenizer import EOT
 
@@ -130,7 +131,5 @@ def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings
     if os.path.exists(path):
         return np.fromfile(path, dtype=np.uint16)
     text = regenerate(target, tokens, n, seed, sampled_openings=sampled_openings)
-    tmp = f"{path}.tmp{os.getpid()}"
-    text.tofile(tmp)
-    os.replace(tmp, path)
+    write_atomic(path, text.tofile)
     return text

@@ -9,14 +9,16 @@ Checkpoints written before a setting existed lack its key: `migrate` fills it wi
 reproduces what those runs did (every field's default was chosen to be that value).
 """
 import argparse
-import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from tinydiff.checkpoint import KINDS
+from tinydiff.checks import (COUNT, COUNT_OR_NONE, MASS, POSITIVE, RATE, SEED, TEMPERATURE, WEIGHT, Rule,
+                             number_list)
 from tinydiff.distill import LOSSES
+from tinydiff.dmoe import EXPERTS
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
 
-KINDS = ("mdlm", "ar", "mdlm-moe", "dflash", "eagle3")
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")
 STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
@@ -25,9 +27,14 @@ GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate
           "moe": "mdlm-moe"}
 
 
-def layer_ids(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]: argparse reports a ValueError here as a one-line usage error."""
-    return [int(i) for i in text.split(",")]
+CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
+MIN_RATE = Rule(lo=0, hi=10)
+CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
+BLOCK = Rule(integer=True, lo=2, hi=1024)        # a drafter's block: the last committed token and B-1 drafts
+LAYERS = Rule(integer=True, lo=1, hi=64)
+# Counts whose every unit is memory held at once: the batch, the validation windows, the stories written.
+BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**6))
+layer_ids = number_list(Rule(integer=True, lo=0, hi=1024))  # '1,2,4' -> [1, 2, 4]
 
 
 def flag(setting_name: str) -> str:
@@ -45,62 +52,64 @@ class RunConfig:
     model: str = setting("mdlm", "what to train: mdlm, the masked-diffusion LM; ar, the AR model; mdlm-moe, "
                          "the diffusion LM with experts; dflash or eagle3, a drafter for --target", choices=KINDS)
     preset: str | None = setting(None, "model size (default: 13m on CUDA, tiny on CPU)", choices=sorted(PRESETS))
-    context: int | None = setting(None, "override the preset's context length (tokens per window)", type=int)
+    context: int | None = setting(None, "override the preset's context length (tokens per window)", type=CONTEXT)
     data: str | None = setting(None, "TinyStories-train.txt-format file (default: download from Hugging Face)")
-    max_steps: int = setting(5000, "optimizer steps", type=int)
-    batch_size: int = setting(32, "windows per step", type=int)
-    lr: float = setting(3e-3, "peak learning rate", type=float)
-    min_lr: float | None = setting(None, "final learning rate of the cosine (default lr / 10)", type=float)
-    warmup: int = setting(100, "linear warmup steps", type=int)
-    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", type=float)
-    grad_clip: float = setting(1.0, "clip the gradient norm to this", type=float)
-    seed: int = setting(1337, "seeds initialisation and the data order", type=int)
-    eval_every: int = setting(250, "validate every N steps", type=int)
-    eval_batches: int = setting(8, "validation batches", type=int)
+    max_steps: int = setting(5000, "optimizer steps", type=COUNT)
+    batch_size: int = setting(32, "windows per step", type=BATCH)
+    lr: float = setting(3e-3, "peak learning rate", type=RATE)
+    min_lr: float | None = setting(None, "final learning rate of the cosine (default lr / 10)", type=MIN_RATE)
+    warmup: int = setting(100, "linear warmup steps (0: none)", type=COUNT_OR_NONE)
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices", type=WEIGHT)
+    grad_clip: float = setting(1.0, "clip the gradient norm to this", type=CLIP)
+    seed: int = setting(1337, "seeds initialisation and the data order", type=SEED)
+    eval_every: int = setting(250, "validate every N steps", type=COUNT)
+    eval_batches: int = setting(8, "validation batches", type=BATCHES)
     init: str | None = setting(None, "start from this checkpoint's weights (a new run: fresh optimizer and schedule)")
     noise_block: int | None = setting(None, "mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
                                       "prefix (block diffusion, what the cached block sampler meets; default: one "
-                                      "per window)", type=int)
+                                      "per window)", type=COUNT_OR_NONE)
     target: str | None = setting(None, "the AR target checkpoint the draft or drafter learns to draft for", "drafter")
-    block_size: int = setting(16, "B: the drafter fills B-1 slots per forward", "drafter", type=int)
+    block_size: int = setting(16, "B: the drafter fills B-1 slots per forward", "drafter", type=BLOCK)
     regenerate: int | None = setting(None, "train on N stories --target writes from story openings", "drafter",
-                                     type=int)
+                                     type=STORIES)
     openings: str = setting("corpus", "--regenerate's story openings: the corpus's, or sampled by the target",
                             "drafter", choices=("corpus", "target"))
-    steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=int)
+    steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=LAYERS)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
-                                         type=int)
+                                         type=LAYERS)
     feature_layers: list[int] | None = setting(None, "dflash: target layers to read, e.g. 1,2,4 (default: the "
                                                "paper's rule, N = min(5, L-3))", "drafter", type=layer_ids)
     distill: str | None = setting(None, "train a student, from this diffusion LM's weights, on the stories it "
                                   "writes one token per step, to be sure of several tokens per forward", "distill",
                                   metavar="TEACHER_CKPT")
-    distill_stories: int | None = setting(None, "stories the teacher writes (default 1000)", "distill", type=int)
+    distill_stories: int | None = setting(None, "stories the teacher writes (default 1000)", "distill", type=STORIES)
     certainty_weight: float | None = setting(None, "beta of dParallel's certainty term (default 2; 0 = plain "
-                                             "masked cross-entropy)", "distill", type=float)
+                                             "masked cross-entropy)", "distill", type=WEIGHT)
     teacher_temperature: float | None = setting(None, "the teacher writes at this temperature (default 1, the "
-                                                "quality tool's; 0: greedy, dParallel's)", "distill", type=float)
+                                                "quality tool's; 0: greedy, dParallel's)", "distill", type=TEMPERATURE)
     distill_loss: str | None = setting(None, "certainty (dParallel, default) or tad (far positions learn the "
                                        "teacher's distribution)", "distill", choices=LOSSES)
     anchor_weight: float | None = setting(None, "add this times the model's own loss on corpus windows to each "
                                           "step, to keep the student a model of the corpus (default 0: none)",
-                                          "distill", type=float)
-    experts: int | None = setting(None, "routed experts per layer (default 32)", "moe", type=int)
-    top_k: int | None = setting(None, "routed experts per token (default 3)", "moe", type=int)
+                                          "distill", type=WEIGHT)
+    experts: int | None = setting(None, "routed experts per layer (default 32)", "moe", type=EXPERTS)
+    top_k: int | None = setting(None, "routed experts per token (default 3)", "moe", type=EXPERTS)
     routing: str = setting("token", "expert routing", "moe", choices=("token", "block"))
-    route_threshold: float = setting(0.6, "block routing: coreset mass", "moe", type=float)
-    route_guard: int = setting(4, "block routing: at least this many experts", "moe", type=int)
+    route_threshold: float = setting(0.6, "block routing: coreset mass", "moe", type=MASS)
+    route_guard: int = setting(4, "block routing: at least this many experts", "moe", type=EXPERTS)
     route_mask_vote: float = setting(1.0, "block routing: a MASK token's vote in its block's coreset, against a "
-                                     "committed token's 1 (1 is the paper's rule)", "moe", type=float)
+                                     "committed token's 1 (1 is the paper's rule)", "moe", type=POSITIVE)
 
-    def __post_init__(self):
-        for key in ("max_steps", "batch_size", "eval_every", "eval_batches"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{flag(key)} must be >= 1, got {getattr(self, key)}")
-        for key in ("lr", "min_lr", "weight_decay", "grad_clip", "route_threshold", "route_mask_vote"):
-            value = getattr(self, key)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise UserError(f"{flag(key)} must be a finite number >= 0, got {value}")
+    def __post_init__(self):  # the flags' rules again, for settings read back from a checkpoint
+        for f in fields(self):
+            value, rule = getattr(self, f.name), f.metadata.get("type")
+            if value is not None and isinstance(rule, Rule):
+                rule.check(flag(f.name), value)
+            if value is not None and "choices" in f.metadata and value not in f.metadata["choices"]:
+                raise UserError(f"{flag(f.name)} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
+        if self.feature_layers is not None:
+            for i in self.feature_layers:
+                Rule(integer=True, lo=0, hi=1024).check("--feature-layers id", i)
         if not self.distill and any(getattr(self, key) is not None for key in DISTILL_TUNING):
             raise UserError(f"{', '.join(flag(key) for key in DISTILL_TUNING)} tune --distill TEACHER_CKPT: add it")
         if self.openings == "target" and not self.regenerate:

@@ -127,8 +127,9 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
     if block_length < 1 or gen_length % block_length:
         raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
     blocks = gen_length // block_length
-    if steps < blocks or steps % blocks:
-        raise UserError(f"steps {steps} must be a positive multiple of the number of blocks ({blocks})")
+    if steps < blocks or steps % blocks or steps > gen_length:
+        raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
+                        f"gen length {gen_length} (one token per step)")
     check_warp_args(temperature, None, None)
     if remasking not in REMASKING:
         raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")

@@ -9,7 +9,7 @@ come from tinydiff.progress, so a tool running several trainings (the report) ca
 """
 import math
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
@@ -17,9 +17,10 @@ import torch
 from tinydiff import progress
 from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.block_diffusion import diffusion_loss
-from tinydiff.checkpoint import StopOnSignal, load_checkpoint, save_checkpoint
-from tinydiff.cli import add_device, make_parser
-from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows
+from tinydiff.checkpoint import StopOnSignal, brief_error, load_checkpoint, save_checkpoint
+from tinydiff.checks import COUNT
+from tinydiff.cli import add_device, check_device, make_parser
+from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_windows, tokens_digest
 from tinydiff.dflash import dflash_loss
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.distill import distill_run
@@ -27,6 +28,7 @@ from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.eagle import eagle_loss
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.files import check_run_folder, claim_run_folder
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, flag, given_settings, migrate, new_run
 from tinydiff.run_model import build_model, load_target
@@ -44,7 +46,7 @@ def parse_args(argv=None):
     add_flags(p)  # the run settings (tinydiff/run_config.py); below, how to run it
     p.add_argument("--cache-dir", default="data", help="token cache when the data's folder is not writable, and for Hugging Face")
     p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
-    p.add_argument("--ckpt-every", type=int, default=250, help="checkpoint every N steps")
+    p.add_argument("--ckpt-every", type=COUNT, default=250, help="checkpoint every N steps")
     add_device(p)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     return p.parse_args(argv)
@@ -58,6 +60,9 @@ def defaults(args, device: str) -> dict:
     given = [flag(key) for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
         raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
+    given = [flag(key) for key in ("preset", "context") if getattr(args, key) is not None]
+    if run["init"] and not run["distill"] and given:
+        raise UserError(f"--init {run['init']} continues that model, in its shape: drop {', '.join(given)}")
     return run
 
 
@@ -76,16 +81,19 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
     """A short story from the model as it is now: the same prompt and seed at every evaluation."""
     model.eval()
     prompt = [EOT] + tokenizer.encode("Once upon a time")
-    n = min(48, model.config.context - len(prompt))
+    n = min(48, model.config.context - len(prompt))  # RunConfig's least context leaves room for 11
+    block = model.config.noise_block if kind.startswith("mdlm") else 0
+    if block and n < block:
+        model.train()
+        return f"(none: a block of {block} does not fit after the prompt in a context of {model.config.context})"
     if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
         decode, chain = (dflash_generate, {}) if kind == "dflash" else (eagle_generate, {"k": 4})
         ids, stats = decode(model.target, model, prompt, n, stop_token=None, **chain)
         model.train()
         return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
-    if kind.startswith("mdlm") and model.config.noise_block:  # sampled as it was trained: block by block
-        block = model.config.noise_block
-        n = max(block, n - n % block)
+    if block:  # sampled as it was trained: block by block
+        n -= n % block
         ids, _ = generate_cached(model, prompt, gen_length=n, steps=n, block_length=block, generator=generator)
     elif kind.startswith("mdlm"):
         ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
@@ -98,21 +106,26 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
 def run_settings(args):
     """(run settings, run folder, checkpoint or None): a resumed run's from its checkpoint, a new
     run's from the flags; a new run never overwrites a checkpoint."""
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA GPU is visible; pass --device cpu")
+    check_device(args.device)
     out = Path(args.out) if args.out else None
     if args.resume:
         if out is None:
             raise UserError("--resume needs --out, the folder of the run to continue")
+        check_run_folder(out)
         ckpt = load_checkpoint(out / "ckpt.pt")
-        if "optimizer" not in ckpt or "args" not in ckpt:
+        if not all(key in ckpt for key in ("optimizer", "args", "step", "rng")):
             raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
         return resumed_settings(args, ckpt, out / "ckpt.pt"), out, ckpt
     run = defaults(args, args.device)
     out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
+    check_run_folder(out)
+    check_new(out)
+    return run, out, None
+
+
+def check_new(out: Path):
     if (out / "ckpt.pt").exists():
         raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
-    return run, out, None
 
 
 def describe(model, run: dict):
@@ -127,18 +140,30 @@ def describe(model, run: dict):
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
 
 
-def training_data(run: dict, model, out: Path, cache_dir, device):
+def same_data(ckpt, token_paths, path) -> str:
+    """The sha256 of the run's token files; a resumed run's must be the one its checkpoint recorded."""
+    digest = tokens_digest(*token_paths)
+    if ckpt is not None:
+        stored = ckpt.get("data", {}).get("tokens")
+        if stored is None:
+            print(f"notice: {path} was written before runs recorded their data, so whether --data is the same "
+                  "cannot be checked")
+        elif stored != digest:
+            raise UserError(f"this data (tokens sha256 {digest[:12]}) is not the data the run in {path} started "
+                            f"with ({stored[:12]}); resume with the same --data, or start a new run with another --out")
+    return digest
+
+
+def training_data(run: dict, model, out: Path, token_paths, device):
     """(loss, draw(step) -> batch, validation batch): corpus windows, windows of the text the target
     regenerated (--regenerate), or the states of a teacher's trajectories (--distill)."""
     loss_fn, extra = OBJECTIVES[run["model"]]
-    train_path, val_path = prepare_tokens(run["data"], cache_dir)
-    train_tokens, val_tokens = load_tokens(train_path), load_tokens(val_path)
-    if run["regenerate"]:  # a draft learns the target's own text: what it will be asked to guess
+    train_tokens, val_tokens = (load_tokens(p) for p in token_paths)
+    if run["regenerate"] is not None:  # a draft learns the target's own text: what it will be asked to guess
         if run["model"] not in (*DRAFTERS, "ar"):
             raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
                             "with --target")
         target = model.target if run["model"] in DRAFTERS else load_target(run, device)
-        out.mkdir(parents=True, exist_ok=True)
         train_file, val_file = (out / name for name in REGENERATED)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
                                   run["openings"] == "target")
@@ -146,7 +171,6 @@ def training_data(run: dict, model, out: Path, cache_dir, device):
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
     if run["distill"]:  # the teacher's stories and the states inside them replace the windows
-        out.mkdir(parents=True, exist_ok=True)
         return distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
     window = model.config.context + extra
 
@@ -160,12 +184,20 @@ def restore(optimizer, ckpt, out: Path) -> int:
     """A resumed run's optimizer and RNG states; returns the step to continue from (0 for a new run)."""
     if ckpt is None:
         return 0
-    optimizer.load_state_dict(ckpt["optimizer"])
-    torch.set_rng_state(ckpt["rng"]["cpu"])
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise UserError(f"{out / 'ckpt.pt'}: its optimizer or random-number state does not fit this model "
+                        f"({brief_error(e, 100)}); it is damaged, so start a new run") from None
     if "cuda" in ckpt["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     print(f"resuming {out / 'ckpt.pt'} at step {ckpt['step']}")
     return ckpt["step"]
+
+
+INTERRUPTED = ("before training started; what was finished (token caches, the target's or teacher's stories, "
+               "the last checkpoint) is kept: run the same command again")
 
 
 def main(argv=None):
@@ -174,14 +206,20 @@ def main(argv=None):
     torch.manual_seed(run["seed"])
     model = build_model(run, args.device, ckpt, out / "ckpt.pt")
     describe(model, run)
-    loss_fn, draw, val_windows = training_data(run, model, out, args.cache_dir, args.device)
-    optimizer = make_optimizer(model, run)
-    step = restore(optimizer, ckpt, out)
-    train_loop(run, model, optimizer, loss_fn, draw, val_windows, step, out, args.ckpt_every, args.device)
+    with claim_run_folder(out):  # from here on this folder is this run's alone
+        if ckpt is None:
+            check_new(out)  # another run may have finished here since the first look
+        token_paths = prepare_tokens(run["data"], args.cache_dir)
+        data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
+        loss_fn, draw, val_windows = training_data(run, model, out, token_paths, args.device)
+        optimizer = make_optimizer(model, run)
+        step = restore(optimizer, ckpt, out)
+        train_loop(run, model, optimizer, loss_fn, draw, val_windows, step, out, args.ckpt_every, args.device,
+                   data_id)
 
 
 def train_loop(run: dict, model, optimizer, loss_fn, draw, val_windows, step: int, out: Path, ckpt_every: int,
-               device: str):
+               device: str, data_id: str):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     config, tokenizer = model.config, Tokenizer()
@@ -193,12 +231,12 @@ def train_loop(run: dict, model, optimizer, loss_fn, draw, val_windows, step: in
         rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         save_checkpoint(out / "ckpt.pt", kind=run["model"], config=config, model=model,
                         optimizer=optimizer.state_dict(), step=step, rng=rng,
-                        data={"seed": run["seed"], "index": step}, args=run)
+                        data={"seed": run["seed"], "index": step, "tokens": data_id}, args=run)
 
-    with StopOnSignal() as stop:
+    bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
+    with StopOnSignal() as stop, closing(bar):  # closed on any exit, so an error's line is the last one
         tokens_per_step = run["batch_size"] * config.context
         steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation excluded
-        bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
         model.train()
         while step < run["max_steps"]:
             t0 = time.perf_counter()

@@ -2,10 +2,7 @@
 import sys
 
 from tinydiff.bench.table import main
-from tinydiff.errors import UserError
+from tinydiff.cli import run_main
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(run_main(main, interrupted="nothing was written (the --report's finished trainings are kept)"))

@@ -76,7 +76,7 @@ def role_flags(role: str, plan: dict, target: str) -> list[str]:
             "drafter": ["--model", "dflash", "--target", target, "--regenerate", R, "--block-size", "16"],
             "eagle": ["--model", "eagle3", "--target", target, "--regenerate", R],
             # a lower peak rate than from scratch: the AR weights are a start worth keeping
-            "mdlm": ["--model", "mdlm", "--preset", P, "--init", target, "--lr", "1e-3"],
+            "mdlm": ["--model", "mdlm", "--init", target, "--lr", "1e-3"],  # the target's shape
             "moe": ["--model", "mdlm-moe", "--preset", P, *C]}[role]
 
 

@@ -22,15 +22,16 @@ Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, t
 """
 import json
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, load_models, measure
 from tinydiff.bench.methods import METHODS, USES
 from tinydiff.bench.report import write_report
-from tinydiff.cli import add_device, make_parser
+from tinydiff.checks import COUNT, NATS, SEED, TEMPERATURE
+from tinydiff.cli import add_device, check_device, make_parser
 from tinydiff.errors import UserError
+from tinydiff.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
 from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -46,14 +47,14 @@ def parse_args(argv=None):
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
     p.add_argument("--distilled", help="diffusion LM distilled for parallel decoding, train.py --distill "
                    "(default: an untrained tiny model)")
-    p.add_argument("--entropy-bound", type=float, default=0.5, help="nats, for the *-entropy rows (EB-Sampler)")
+    p.add_argument("--entropy-bound", type=NATS, default=0.5, help="nats, for the *-entropy rows (EB-Sampler)")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
+    p.add_argument("--new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
+    p.add_argument("--prompts", type=COUNT, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
                    "(with --report: how many held-out story openings)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, the same text for every method")
-    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy, the same text for every method")
+    p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
     add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
@@ -69,13 +70,11 @@ def check_args(args) -> list[str]:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
-    if args.prompts < 1 or (args.prompts > len(PROMPTS) and not args.report):
+    check_device(args.device)
+    if args.prompts > len(PROMPTS) and not args.report:
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --report, which draws "
                         f"held-out story openings), got {args.prompts}")
-    if not 0 <= args.entropy_bound < float("inf"):
-        raise UserError(f"--entropy-bound must be a finite number of nats >= 0, got {args.entropy_bound}")
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise UserError(f"--json {args.json}: its folder does not exist; create it or pass another path")
+    check_output(args.json, "--json")
     return methods
 
 
