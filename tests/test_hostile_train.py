@@ -62,6 +62,8 @@ def test_flags_a_run_would_ignore_are_refused(story_file, tmp_path, capsys):
     init = ["--data", story_file, "--out", tmp_path / "x", "--init", tmp_path / "first" / "ckpt.pt", "--device", "cpu"]
     for flags in (["--preset", "13m"], ["--context", "64"]):  # once: trained --init's shape, recorded these
         assert "continues that model, in its shape: drop" in refused(train.main, [*init, *flags], capsys, tmp_path)
+    drafter = ["--model", "dflash", "--target", tmp_path / "first" / "ckpt.pt", "--data", story_file, "--preset", "tiny"]
+    assert "takes its dimensions from --target: drop --preset" in refused(train.main, drafter, capsys, tmp_path)
 
 
 @pytest.fixture

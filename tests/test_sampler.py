@@ -157,7 +157,8 @@ def longest_run(entropy, bound):
 
 
 @pytest.mark.parametrize("bound", [0.0, 0.3, 1.0, 1e9])
-@pytest.mark.parametrize("temperature, remasking", [(0.0, "low_confidence"), (1.0, "low_entropy"), (1.0, "low_confidence")])
+@pytest.mark.parametrize("temperature, remasking", [(0.0, "low_confidence"), (1.0, "low_entropy"), (1.0, "low_confidence"),
+                                                    (1.0, "left_to_right")])
 @torch.no_grad()
 def test_entropy_bound_commits_the_longest_run_the_bound_allows(peaked, bound, temperature, remasking):
     """Every step commits >= 1 token, a set whose sum(H) - max(H) fits under the bound (unless it is
@@ -178,8 +179,8 @@ def test_entropy_bound_commits_the_longest_run_the_bound_allows(peaked, bound, t
         masked = [i for i in range(8) if before[lo + i] == MASK]
         if (temperature, remasking) == (1.0, "low_confidence"):
             continue  # ranked by the sampled tokens' probabilities: a recomputation would need the draw
-        score = [-h[i] for i in masked] if remasking == "low_entropy" else \
-            [float(torch.softmax(logits[i, :MASK].double(), -1).max()) for i in masked]
+        score = [-h[i] for i in masked] if remasking == "low_entropy" else [-i for i in masked] \
+            if remasking == "left_to_right" else [float(torch.softmax(logits[i, :MASK].double(), -1).max()) for i in masked]
         ranked = [i for _, i in sorted(zip(score, masked), reverse=True)]
         assert sorted(committed) == sorted(ranked[:longest_run([h[i] for i in ranked], bound)])
     assert MASK not in ids and stats["forwards"] == len(trace)
@@ -195,6 +196,14 @@ def test_entropy_bound_zero_is_one_token_per_step(peaked, temperature):
         outs = [sampler(peaked, PROMPT, 16, 16, 8, temperature, generator=torch.Generator().manual_seed(9), **rule)
                 for rule in ({}, {"entropy_bound": 0.0})]
         assert outs[0][0] == outs[1][0] and outs[1][1]["forwards"] == 16
+
+
+@pytest.mark.parametrize("sampler", [generate, generate_cached])
+def test_left_to_right_at_bound_zero_commits_the_leftmost_masked_position(peaked, sampler):
+    trace = []
+    sampler(peaked, PROMPT, 16, 16, 8, 1.0, remasking="left_to_right", entropy_bound=0.0,
+            generator=torch.Generator().manual_seed(2), callback=trace.append)
+    assert [event["committed"] for event in trace] == [[len(PROMPT) + i] for i in range(16)]  # AR order
 
 
 class PositionEcho(torch.nn.Module):
@@ -243,6 +252,7 @@ def test_a_shifted_model_is_read_one_output_earlier(shift, sampler):
     (dict(entropy_bound=-0.1), "entropy bound"),
     (dict(entropy_bound=float("nan")), "entropy bound"),
     (dict(entropy_bound=0.1, threshold=0.9), "not both"),
+    (dict(remasking="left_to_right", threshold=0.9), "left_to_right ranks by position"),
     (dict(gen_length=64), "max new tokens"),
 ])
 def test_bad_arguments(model, kwargs, message):

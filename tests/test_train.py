@@ -205,7 +205,7 @@ def test_an_ar_checkpoint_starts_a_shifted_diffusion_run(story_file, tmp_path):
     ar = load_checkpoint(tmp_path / "ar" / "ckpt.pt")
     train.main(argv(story_file, tmp_path / "mdlm", "--init", str(tmp_path / "ar" / "ckpt.pt"), "--max-steps", "2"))
     mdlm = load_checkpoint(tmp_path / "mdlm" / "ckpt.pt")
-    assert mdlm["kind"] == "mdlm" and mdlm["step"] == 2
+    assert mdlm["kind"] == "mdlm" and mdlm["step"] == 2 and mdlm["args"]["preset"] is None  # the shape is --init's
     assert mdlm["config"] == {**ar["config"], "causal": False, "shift": True}  # Dream's adaptation
     assert all(not torch.equal(ar["model"][k], mdlm["model"][k]) for k in ar["model"] if "norm" not in k)
     with pytest.raises(UserError, match="holds a mdlm model, not ar"):

@@ -137,10 +137,12 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 
 def new_run(args: argparse.Namespace, preset: str) -> dict:
-    """A new run's settings: the flags given, every other field's default; `preset` when none is given."""
+    """A new run's settings: the flags given, every other field's default; `preset` when none is given
+    (none at all where the model's shape comes from --init, --distill or a drafter's --target)."""
     run = RunConfig(**given_settings(args))
     run = asdict(run)
-    run["preset"] = run["preset"] or preset
+    borrowed = run["init"] or run["distill"] or run["model"] in DRAFTERS  # the shape is another model's
+    run["preset"] = None if borrowed else run["preset"] or preset
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
     return run
 

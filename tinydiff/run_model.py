@@ -94,7 +94,7 @@ def new_language_model(run: dict, device: str):
     adapted to diffusion), or fresh from the preset."""
     moe_shape = {key: value for key, value in (("n_experts", run["experts"]), ("moe_top_k", run["top_k"]))
                  if value is not None}
-    overrides = {"context": run["context"]} if run["context"] else {}
+    overrides = {} if run["context"] is None else {"context": run["context"]}
     if run["distill"]:
         return student_from(run["distill"], run["model"], run["init"], device)
     if run["init"]:

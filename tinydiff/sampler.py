@@ -17,6 +17,8 @@ Variants, each off by default:
     uncertain token of U is free: KL(joint || product of marginals) <= sum(H) - max(H). Bound 0 is
     one token per step. `remasking="low_entropy"` ranks by entropy, DiffusionGemma's order;
     the default ranks by confidence, so that bound 0 is exactly LLaDA's one-token-per-step sampler;
+    `remasking="left_to_right"` ranks by position, so a step commits the run of positions right
+    after the committed text that fits under the bound (bound 0: AR order inside the block);
   - `revise` (self-correction, DiffusionGemma-style): after a block is full, `revise` extra steps
     each re-mask the block's lowest-confidence token and predict it again with the finished block
     in view;
@@ -39,7 +41,7 @@ from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args
 from tinydiff.tokenizer import MASK
 
-REMASKING = ("low_confidence", "random", "low_entropy")
+REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right")
 
 
 def commit_schedule(masks: int, steps: int) -> list[int]:
@@ -79,6 +81,8 @@ def propose(logits, temperature: float, remasking: str, generator=None):
         confidence = probs.gather(-1, candidates[:, None]).squeeze(-1)
     elif remasking == "low_entropy":
         confidence = -position_entropy(logits, temperature)
+    elif remasking == "left_to_right":  # the leftmost masked position first: the rows come in position order
+        confidence = -torch.arange(len(logits), device=logits.device, dtype=torch.float64)
     else:
         confidence = torch.rand(candidates.shape, generator=generator, device=logits.device, dtype=torch.float64)
     return candidates, confidence
@@ -138,6 +142,8 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
     if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
         raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
                         f"got {entropy_bound}")
+    if threshold is not None and remasking == "left_to_right":
+        raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
     if threshold is not None and entropy_bound is not None:
         raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")
     return blocks, steps // blocks

@@ -52,10 +52,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def default_preset(device: str) -> str:
+    return "13m" if device.startswith("cuda") else "tiny"
+
+
 def defaults(args, device: str) -> dict:
     """A new run's settings: the flags given, RunConfig's defaults for the rest."""
-    run = new_run(args, "13m" if device.startswith("cuda") else "tiny")
-    if args.preset is None and not device.startswith("cuda") and run["model"] not in DRAFTERS and not args.distill:
+    run = new_run(args, default_preset(device))
+    if args.preset is None and run["preset"] == "tiny" and not device.startswith("cuda"):
         print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
     given = [flag(key) for key in STUDENT_SHAPE if getattr(args, key) is not None]
     if run["distill"] and given:
@@ -63,6 +67,8 @@ def defaults(args, device: str) -> dict:
     given = [flag(key) for key in ("preset", "context") if getattr(args, key) is not None]
     if run["init"] and not run["distill"] and given:
         raise UserError(f"--init {run['init']} continues that model, in its shape: drop {', '.join(given)}")
+    if run["model"] in DRAFTERS and given:
+        raise UserError(f"a {run['model']} drafter takes its dimensions from --target: drop {', '.join(given)}")
     return run
 
 
@@ -117,7 +123,8 @@ def run_settings(args):
             raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
         return resumed_settings(args, ckpt, out / "ckpt.pt"), out, ckpt
     run = defaults(args, args.device)
-    out = out or Path("out") / f"{run['model']}-{'distilled' if run['distill'] else run['preset']}"
+    name = run["preset"] or ("distilled" if run["distill"] else "init" if run["init"] else default_preset(args.device))
+    out = out or Path("out") / f"{run['model']}-{name}"
     check_run_folder(out)
     check_new(out)
     return run, out, None
@@ -135,7 +142,8 @@ def describe(model, run: dict):
         print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
-        name = f"student of {run['distill']}" if run["distill"] else run["preset"]
+        name = f"student of {run['distill']}" if run["distill"] else f"from {run['init']}" if run["init"] \
+            else run["preset"]
         print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
 
