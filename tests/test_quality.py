@@ -134,17 +134,20 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
     args = ["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--student", str(tmp_path / "mdlm.pt"),
             "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
-            "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--data",
+            "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--ltr-bounds", "0,1e9", "--data",
             str(story_file), "--json", str(tmp_path / "curve.json")]
     rows = quality.main(args)
     settings = [(r["model"], r["setting"]) for r in rows]
     assert settings == [(m, s) for m in ("teacher", "student") for s in
-                        ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09")] + \
+                        ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09",
+                         "left-to-right bound 0", "left-to-right bound 1e+09")] + \
         [("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
     by = {(r["model"], r["setting"]): r for r in rows}
     assert by["teacher", "one token per step"]["y"] == 100 and by["teacher", "one token per step"]["agreement_t0"] == 1
     assert by["teacher", "threshold 1e-09"]["forwards_per_token"] == 1 / 4  # every token clears it: a block a forward
     assert by["teacher", "entropy bound 0"]["gen_ppl"] == by["teacher", "one token per step"]["gen_ppl"]
+    assert by["teacher", "left-to-right bound 0"]["forwards_per_token"] == 1  # AR order, one token a forward
+    assert by["teacher", "left-to-right bound 1e+09"]["forwards_per_token"] == 1 / 4
     assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
     assert (tmp_path / "curve.json").is_file()
     again = quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--thresholds", "1e-9,0.5"])

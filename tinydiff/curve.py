@@ -47,10 +47,16 @@ def quality_y(row: dict, reference: dict) -> float:
     return 100 * min(1.0, reference["gen_ppl"] / row["gen_ppl"], row["distinct_2"] / reference["distinct_2"])
 
 
-def diffusion_settings(thresholds, bounds) -> list[tuple[str, dict]]:
-    """(label, generate_cached keywords) of each point of a diffusion LM's curve."""
+FAMILIES = ("threshold", "entropy bound", "left-to-right bound")  # a diffusion LM's curves after its first point
+
+
+def diffusion_settings(thresholds, bounds, ltr_bounds=()) -> list[tuple[str, dict]]:
+    """(label, generate_cached keywords) of each point of a diffusion LM's curve: one token per step,
+    thresholds, entropy bounds over the most confident positions, and entropy bounds over the run
+    right after the committed text (remasking left_to_right)."""
     return ([("one token per step", {})] + [(f"threshold {t:g}", {"threshold": t}) for t in thresholds]
-            + [(f"entropy bound {e:g}", {"entropy_bound": e}) for e in bounds])
+            + [(f"entropy bound {e:g}", {"entropy_bound": e}) for e in bounds]
+            + [(f"left-to-right bound {e:g}", {"entropy_bound": e, "remasking": "left_to_right"}) for e in ltr_bounds])
 
 
 def curve_rows(models: dict, paths: dict, judge, args, reused=()):
@@ -63,7 +69,7 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
         if key in models:
-            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds):
+            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds, args.ltr_bounds):
                 plans.append((name, label, rule, paths[key], lambda p, g, m=models[key], r=rule: generate_cached(
                     m, p, n, n, block, args.temperature, generator=g, **r)))
     if "ar" in models:
@@ -89,12 +95,12 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
 
 
 def curve_aups(rows, y_max: float) -> dict:
-    """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, and with
-    its entropy-bound points; AR alone; AR with its speculative point."""
+    """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, with its
+    entropy-bound points, and with its left-to-right points; AR alone; AR with its speculative point."""
     out = {}
     for model in ("teacher", "student"):
         base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]
-        for family in ("threshold", "entropy bound"):
+        for family in FAMILIES:
             points = base + [r for r in rows if r["model"] == model and r["setting"].startswith(family)]
             if len(points) > 1:
                 out[f"{model}, {family}"] = aup([(r["forwards_per_token"] ** -1, r["y"]) for r in points], y_max)
@@ -131,8 +137,9 @@ def plot_curve(rows, path):
         families.setdefault(family, []).append(r)
     for r in rows:  # the one-token-per-step point starts both of its model's lines
         if r["setting"] == "one token per step":
-            for family in (f"{r['model']}, threshold", f"{r['model']}, entropy"):
-                families.setdefault(family, []).insert(0, r)
+            for family in (f"{r['model']}, {name.split(' ')[0]}" for name in FAMILIES):
+                if family in families:
+                    families[family].insert(0, r)
     for family, points in families.items():
         if family.endswith(", one"):
             continue

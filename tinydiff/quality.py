@@ -84,6 +84,8 @@ def parse_args(argv=None):
     curve.add_argument("--curve", action="store_true", help="measure the curve instead of the --samplers table")
     curve.add_argument("--thresholds", type=number_list(MASS), default=[0.9, 0.7, 0.5, 0.3], help="comma list")
     curve.add_argument("--entropy-bounds", type=number_list(NATS), default=[0.1, 0.5, 1.0, 2.0], help="comma list, nats")
+    curve.add_argument("--ltr-bounds", type=number_list(NATS), default=[], help="comma list, nats: entropy bounds "
+                       "over the run of positions right after the committed text (remasking left_to_right)")
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")
