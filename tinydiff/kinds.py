@@ -1,9 +1,12 @@
 """The model a checkpoint holds, rebuilt: each kind's config and model classes (every kind but the
 MoE diffusion LM is the plain Transformer; the drafters are rebuilt around their target by
 dflash.drafter_from and eagle.head_from). Before a weight is allocated the config is checked (its
-fields known, each value in range: the config classes' own rules) and the weights are matched,
-name by name and shape by shape, against a model built on the "meta" device, which costs no memory:
-a tampered config cannot make this machine allocate what the file does not hold.
+fields known, each value in range: the config classes' own rules). A config that implies more
+weights than the file holds is then matched, name by name and shape by shape, against a model
+built on the "meta" device, which costs no memory: a tampered config cannot make this machine
+allocate what the file does not hold. (Building on "meta" imports torch's compiler, about 1.5 s,
+so a config whose size agrees with the file skips it: building that model allocates no more than
+the file already did.)
 """
 from dataclasses import fields
 
@@ -46,13 +49,23 @@ def check_weights_fit(shell: torch.nn.Module, weights: dict, path):
         raise UserError(f"{path}: weights do not fit its config ({detail}); it is damaged or from another version")
 
 
+def implied_params(config) -> int:
+    """About the parameters a config implies (embedding, attention, feed-forward or experts). Only a
+    gate for the exact check: a term it leaves out (norms, routers) costs time, never safety."""
+    ffn = 3 * config.d_model * config.d_ff
+    if isinstance(config, MoEConfig):
+        ffn = 3 * config.d_model * config.expert_d_ff * (config.n_experts + config.shared_expert)
+    return config.vocab_size * config.d_model + config.n_layer * (4 * config.d_model ** 2 + ffn)
+
+
 def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
     """Build the model a checkpoint describes and load its weights."""
     _, model_class = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
     config = config_from(ckpt, path)
-    with torch.device("meta"):
-        shell = model_class(config)
-    check_weights_fit(shell, ckpt["model"], path)
+    if implied_params(config) > 1.1 * sum(t.numel() for t in ckpt["model"].values()):
+        with torch.device("meta"):
+            shell = model_class(config)
+        check_weights_fit(shell, ckpt["model"], path)
     model = model_class(config)
     try:
         model.load_state_dict(ckpt["model"])
