@@ -280,7 +280,6 @@ def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branc
     1..k+1), target_forwards (rounds + the prefill), draft_forwards (head forwards, committed-row
     reads included), new_tokens, seconds, tokens_per_s; a tree run adds nodes_per_round.
     """
-    check_shape(k, budget, branch)
     common = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, stop_token=stop_token,
                   on_round=on_round)
     if budget is None:
