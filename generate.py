@@ -32,7 +32,7 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
-from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, SEED, TEMPERATURE, Rule
+from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
@@ -59,9 +59,6 @@ USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, 
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
            "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
            **{key: ("diffusion",) for key in DIFFUSION_FLAGS}}
-
-
-BLOCK = Rule(integer=True, lo=2, hi=1024)  # a drafter's block: the last committed token and B-1 drafts
 
 
 def fan_out(text: str):

@@ -9,11 +9,14 @@ can read it without unpickling code:
   optimizer         AdamW state (absent in weights-only exports)
   step              optimizer steps taken
   rng               torch CPU (and CUDA) generator states
-  data              where the data stream is: {"seed", "index"} of the next batch
+  data              where the data stream is: {"seed", "index"} of the next batch, and "tokens",
+                    the sha256 of the token files (a resumed run must read the same data)
   args              the training settings, so --resume continues the same run
 Saving goes through tinydiff/files.py's atomic write (a temp file beside it, fsynced, renamed over
-it): a crash mid-save leaves the previous checkpoint intact, and a full disk is one line. `StopOnSignal` lets a training loop finish its
-step and save on Ctrl-C / SIGTERM instead of dying mid-step.
+it): a crash mid-save leaves the previous checkpoint intact, and a full disk is one line. Loading
+checks every key's type and the weights' values before anything is built (check_contents).
+`StopOnSignal` lets a training loop finish its step and save on Ctrl-C / SIGTERM instead of dying
+mid-step.
 """
 import re
 import signal

@@ -80,6 +80,8 @@ TEMPERATURE = Rule(lo=0.01, hi=100, also=(0,))
 NATS = Rule(lo=0)                             # an entropy bound (a huge one: commit the whole block)
 POSITIVE = Rule(above=0, hi=1e6)              # a vote, a scale: finite, > 0
 SIZE = Rule(integer=True, lo=1, hi=2**20)     # a model dimension: widths, lengths, layers
+BLOCK = Rule(integer=True, lo=2, hi=1024)     # a drafter's block: the last committed token and B-1 drafts
+DEPTH = Rule(integer=True, lo=1, hi=64)       # a drafter's own layers, an EAGLE-3 head's unrolled steps
 
 
 def check_fields(config, rules: dict, what: str):

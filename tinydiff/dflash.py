@@ -34,8 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.checks import POSITIVE, SIZE, Rule, check_fields
-from tinydiff.drafter import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, rebuild_around, target_dims
+from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, check_fields
+from tinydiff.drafter import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around,
+                              rebuild_around, target_dims)
 from tinydiff.errors import UserError
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
@@ -88,13 +89,13 @@ class DFlashConfig:
     norm_eps: float = 1e-5          # RMSNorm epsilon (the target's)
 
     def __post_init__(self):
-        check_fields(self, {**TARGET_RULES, "n_layer": Rule(integer=True, lo=1, hi=64), "n_features": SIZE},
+        check_fields(self, {**TARGET_RULES, "n_layer": DEPTH, "n_features": SIZE},
                      "DFlash config")
         if self.feature_layers is None:
             self.feature_layers = feature_layers(self.target_layers, self.n_features)
         if self.loss_decay is None:
             self.loss_decay = default_decay(self.block_size)
-        check_drafter_config(self, {"block_size": Rule(integer=True, lo=2, hi=1024), "anchors": SIZE,
+        check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE,
                                     "loss_decay": POSITIVE}, "DFlash config")
         self.n_features = len(self.feature_layers)
 

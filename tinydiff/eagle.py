@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.checks import MASS, Rule, check_fields
-from tinydiff.drafter import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, rebuild_around, target_dims
+from tinydiff.checks import DEPTH, MASS, check_fields
+from tinydiff.drafter import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around,
+                              rebuild_around, target_dims)
 from tinydiff.errors import UserError
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
 from tinydiff.sampling import next_token_probs
@@ -73,7 +74,7 @@ class EagleConfig:
         check_fields(self, TARGET_RULES, "EAGLE-3 config")
         if self.feature_layers is None:
             self.feature_layers = eagle_layers(self.target_layers)
-        check_drafter_config(self, {"steps_ahead": Rule(integer=True, lo=1, hi=64), "step_decay": MASS},
+        check_drafter_config(self, {"steps_ahead": DEPTH, "step_decay": MASS},
                              "EAGLE-3 config")
         if len(self.feature_layers) != 3:
             raise UserError(f"feature_layers must be 3 ids (low, mid, high) in [0, {self.target_layers}], "

@@ -69,7 +69,7 @@ def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
     model = model_class(config)
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # dtypes, after the names and shapes matched
+    except RuntimeError as e:  # names or shapes the size gate let through, or dtypes
         raise UserError(f"{path}: weights do not fit its config ({brief_error(e)})") from None
     return model.to(device)
 

@@ -18,7 +18,6 @@ import json
 import sys
 from importlib.util import find_spec
 
-
 from tinydiff.ar import ar_generate
 from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, number_list
 from tinydiff.cli import add_device, check_device, make_parser, run_main

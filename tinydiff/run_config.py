@@ -12,8 +12,8 @@ import argparse
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from tinydiff.checkpoint import KINDS
-from tinydiff.checks import (COUNT, COUNT_OR_NONE, MASS, POSITIVE, RATE, SEED, TEMPERATURE, WEIGHT, Rule,
-                             number_list)
+from tinydiff.checks import (BLOCK, COUNT, COUNT_OR_NONE, DEPTH, MASS, POSITIVE, RATE, SEED, TEMPERATURE, WEIGHT,
+                             Rule, number_list)
 from tinydiff.distill import LOSSES
 from tinydiff.dmoe import EXPERTS
 from tinydiff.errors import UserError
@@ -30,11 +30,10 @@ GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate
 CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
 MIN_RATE = Rule(lo=0, hi=10)
 CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
-BLOCK = Rule(integer=True, lo=2, hi=1024)        # a drafter's block: the last committed token and B-1 drafts
-LAYERS = Rule(integer=True, lo=1, hi=64)
 # Counts whose every unit is memory held at once: the batch, the validation windows, the stories written.
 BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**6))
-layer_ids = number_list(Rule(integer=True, lo=0, hi=1024))  # '1,2,4' -> [1, 2, 4]
+LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target layer (0: the embeddings); the target bounds it further
+layer_ids = number_list(LAYER_ID)  # '1,2,4' -> [1, 2, 4]
 
 
 def flag(setting_name: str) -> str:
@@ -74,9 +73,9 @@ class RunConfig:
                                      type=STORIES)
     openings: str = setting("corpus", "--regenerate's story openings: the corpus's, or sampled by the target",
                             "drafter", choices=("corpus", "target"))
-    steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=LAYERS)
+    steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
-                                         type=LAYERS)
+                                         type=DEPTH)
     feature_layers: list[int] | None = setting(None, "dflash: target layers to read, e.g. 1,2,4 (default: the "
                                                "paper's rule, N = min(5, L-3))", "drafter", type=layer_ids)
     distill: str | None = setting(None, "train a student, from this diffusion LM's weights, on the stories it "
@@ -109,7 +108,7 @@ class RunConfig:
                 raise UserError(f"{flag(f.name)} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
         if self.feature_layers is not None:
             for i in self.feature_layers:
-                Rule(integer=True, lo=0, hi=1024).check("--feature-layers id", i)
+                LAYER_ID.check("--feature-layers id", i)
         if not self.distill and any(getattr(self, key) is not None for key in DISTILL_TUNING):
             raise UserError(f"{', '.join(flag(key) for key in DISTILL_TUNING)} tune --distill TEACHER_CKPT: add it")
         if self.openings == "target" and not self.regenerate:
