@@ -51,13 +51,13 @@ class BlockLogits:
                                                                            out.shape[1] - shift].clone()))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_trajectories_are_the_cached_samplers_own_steps(temperature):
-    """Story 0 replayed through generate_cached with the same seed: the same tokens, and after step r
-    of block b the sampler's canvas is state(story, b, r + 1): earlier blocks final, later all MASK,
-    the revealed set the first r + 1 of the recorded order."""
+@pytest.mark.parametrize("temperature, order", [(0.0, "low_confidence"), (1.0, "low_confidence"), (1.0, "random")])
+def test_trajectories_are_the_cached_samplers_own_steps(temperature, order):
+    """Story 0 replayed through generate_cached with the same seed and order: the same tokens, and
+    after step r of block b the sampler's canvas is state(story, b, r + 1): earlier blocks final,
+    later all MASK, the revealed set the first r + 1 of the recorded order."""
     model = teacher(False)
-    stories = write_trajectories(model, corpus(), config(temperature=temperature), seed=5)
+    stories = write_trajectories(model, corpus(), config(temperature=temperature, order=order), seed=5)
     assert stories.shape == (3, 2, 1 + OPENING + G * N)
     story = torch.from_numpy(stories[0]).long()
     tokens, steps = story[:, story[1] != PAD]
@@ -67,8 +67,8 @@ def test_trajectories_are_the_cached_samplers_own_steps(temperature):
         lo = len(prompt) + b * N
         assert sorted(steps[lo:lo + N].tolist()) == list(range(N))
     events = []
-    ids, _ = generate_cached(model, prompt, G * N, G * N, N, temperature, generator=torch.Generator().manual_seed(5),
-                             callback=events.append)
+    ids, _ = generate_cached(model, prompt, G * N, G * N, N, temperature, order,
+                             generator=torch.Generator().manual_seed(5), callback=events.append)
     assert ids == tokens[len(prompt):].tolist()
     for i, event in enumerate(events):
         b, r = divmod(i, N)
@@ -204,6 +204,7 @@ def test_the_anchor_adds_its_weight_times_the_corpus_loss_in_training_only():
     ({"certainty_weight": float("nan")}, "certainty-weight"), ({"stories": 0}, "stories"),
     ({"certainty_temperature": 0.0}, "certainty-temperature"), ({"temperature": float("inf")}, "temperature"),
     ({"anchor_weight": -0.5}, "anchor-weight"), ({"anchor_weight": float("nan")}, "anchor-weight"),
+    ({"order": "confidence"}, "teacher-order"),
 ])
 def test_bad_settings_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message):

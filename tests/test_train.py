@@ -85,7 +85,8 @@ def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch
 
 
 OLDER_THAN = ("noise_block", "openings", "route_mask_vote", "drafter_layers", "feature_layers", "distill",
-              "distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")
+              "distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "teacher_order",
+              "anchor_weight")
 
 
 @pytest.mark.parametrize("kind", ["mdlm"])

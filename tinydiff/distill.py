@@ -7,7 +7,9 @@ trajectories teaches it to be sure of many positions at once.
   1. Teacher: a trained diffusion LM, frozen, writes stories with its standard schedule: the cached
      semi-AR sampler (sampler.generate_cached), one token per step, low-confidence order, from
      EOT + the first 0..max_opening tokens of corpus stories, 4 blocks each. For every position it
-     records the step of its block at which the teacher revealed it: `write_trajectories`.
+     records the step of its block at which the teacher revealed it: `write_trajectories`. Another
+     order may be chosen (`order`): "random" is MDLM's own sampler, whose samples are the model's
+     distribution and not the mode a low-confidence order seeks.
   2. States (d3LLM's form of dParallel's): pick a block; the blocks before it are the teacher's
      final tokens, the blocks after it are MASK, and inside it the first r positions of the
      teacher's reveal order are revealed (r uniform in 0..N-1). That is exactly the teacher's own
@@ -45,7 +47,7 @@ from tinydiff.files import write_atomic
 from tinydiff.kinds import load_model, model_from
 from tinydiff.model import wide
 from tinydiff.regenerate import story_openings
-from tinydiff.sampler import generate_cached
+from tinydiff.sampler import REMASKING, generate_cached
 from tinydiff.tokenizer import EOT, MASK
 
 PAD, PROMPT = -2, -1  # the step recorded for a pad (before a short prompt) and for a prompt position
@@ -59,6 +61,7 @@ class DistillConfig:
     blocks: int = 4                     # blocks per story, or fewer if the context holds fewer (0: all it holds)
     max_opening: int = 8                # a story starts from EOT + 0..max_opening corpus tokens
     temperature: float = 1.0            # the teacher's sampling temperature (the quality tool's)
+    order: str = "low_confidence"       # the teacher's remasking rule; "random" is MDLM's own any-order sampler
     certainty_weight: float = 2.0       # beta: weight of the entropy on positions already right
     certainty_temperature: float = 0.5  # that entropy is of softmax(logits / this)
     loss: str = "certainty"             # "certainty" (dParallel) or "tad" (hard CE near, KL far)
@@ -76,6 +79,8 @@ class DistillConfig:
                 flag = {"temperature": "teacher-temperature"}.get(name, name.replace("_", "-"))
                 raise UserError(f"--{flag} must be a finite number >= 0"
                                 f"{' (and > 0)' if name == 'certainty_temperature' else ''}, got {value}")
+        if self.order not in REMASKING:
+            raise UserError(f"--teacher-order must be one of {', '.join(REMASKING)}, got {self.order!r}")
         if self.loss not in LOSSES:
             raise UserError(f"--distill-loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
 
@@ -140,8 +145,8 @@ def write_trajectories(teacher, tokens, config: DistillConfig, seed: int, desc="
                 steps[position] = step
             taken[event["block"]] = step + 1
 
-        ids, _ = generate_cached(teacher, prompt, G * N, G * N, N, config.temperature, generator=generator,
-                                 callback=record)
+        ids, _ = generate_cached(teacher, prompt, G * N, G * N, N, config.temperature, config.order,
+                                 generator=generator, callback=record)
         out[i, :, S - len(steps):] = [prompt + ids, steps]
     return out
 
@@ -318,7 +323,7 @@ def make_loss(config: DistillConfig, teacher=None, anchor=None):
 
 
 FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss",
-         "temperature": "teacher_temperature", "anchor_weight": "anchor_weight"}  # field -> train.py's setting
+         "temperature": "teacher_temperature", "order": "teacher_order", "anchor_weight": "anchor_weight"}  # field -> train.py's setting
 
 
 def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objective=None):
@@ -333,7 +338,7 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
     val_config = replace(config, stories=max(rows, config.stories // 10))  # the validation batches, or a tenth
     val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
     print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
-          f"{config.temperature:g}, {config.loss} loss, certainty weight {config.certainty_weight:g}"
+          f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, certainty weight {config.certainty_weight:g}"
           + (f", anchor weight {config.anchor_weight:g}" if config.anchor_weight else ""))
     anchor = corpus_anchor(objective, train_tokens, run["batch_size"], teacher.config.context, run["seed"]) \
         if config.anchor_weight else None

@@ -18,9 +18,11 @@ from tinydiff.distill import LOSSES
 from tinydiff.dmoe import EXPERTS
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
+from tinydiff.sampler import REMASKING
 
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
-DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "anchor_weight")
+DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "teacher_order",
+                  "anchor_weight")
 STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
 GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate)",
           "distill": "distillation for parallel decoding (mdlm, mdlm-moe; tinydiff/distill.py)",
@@ -86,6 +88,9 @@ class RunConfig:
                                              "masked cross-entropy)", "distill", type=WEIGHT)
     teacher_temperature: float | None = setting(None, "the teacher writes at this temperature (default 1, the "
                                                 "quality tool's; 0: greedy, dParallel's)", "distill", type=TEMPERATURE)
+    teacher_order: str | None = setting(None, "the order the teacher reveals positions in (default "
+                                        "low_confidence, its standard schedule; random: MDLM's own sampler)",
+                                        "distill", choices=REMASKING)
     distill_loss: str | None = setting(None, "certainty (dParallel, default) or tad (far positions learn the "
                                        "teacher's distribution)", "distill", choices=LOSSES)
     anchor_weight: float | None = setting(None, "add this times the model's own loss on corpus windows to each "
