@@ -236,20 +236,19 @@ def main(argv=None):
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method
         if method == "ar":
-            ids, stats = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
+            ids, result = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
         else:
-            ids, stats = run_speculative(model, prompt, args, generator, warping)
+            ids, result = run_speculative(model, prompt, args, generator, warping)
     else:
         args.temperature = 0.0 if args.temperature is None else args.temperature
         animate = sys.stdout.isatty() and not (args.no_animate or args.json)
         view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
         if moe:
             reset_stats(model)
-        ids, stats = run_diffusion(model, prompt, args, generator, view)
-        if moe:
-            stats.update(moe_stats(model))
+        ids, result = run_diffusion(model, prompt, args, generator, view)
         if view:
             view.clear()  # the final text, cut at the story's end, replaces the last frame
+    stats = result.row() | (moe_stats(model) if moe else {})
     story = ids[:ids.index(EOT)] if EOT in ids else ids  # a story ends at its first EOT
     text = args.prompt + tokenizer.decode(story)
     if args.json:

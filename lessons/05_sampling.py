@@ -52,8 +52,8 @@ def show(title, **kwargs):
         note = f" (revised {event['revised']})" if event["revised"] else ""
         print(f"   fwd {event['forward']:2d} block {event['block']} +{len(event['committed'])}{note}: {canvas}")
     ids, stats = generate(model, prompt, callback=frame, **kwargs)
-    print(f"   {stats['forwards']} forwards for {stats['new_tokens']} tokens "
-          f"({stats['tokens_per_forward']:.2f} per forward)")
+    print(f"   {stats.forwards} forwards for {stats.new_tokens} tokens "
+          f"({stats.tokens_per_forward:.2f} per forward)")
 
 
 print(f"1. LLaDA's schedule: {n} tokens in blocks of {n // 2}, {n // 2} steps in all, so each block gets")

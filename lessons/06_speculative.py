@@ -110,16 +110,16 @@ new = 48 if args.quick else 160
 step = forward_seconds(target)
 c = forward_seconds(draft) / step
 ar_out, ar_stats = ar_generate(target, prompt, new, temperature=0, stop_token=None)
-print(f"   greedy AR: {new} tokens at {ar_stats['tokens_per_s']:.0f} tokens/s. "
+print(f"   greedy AR: {new} tokens at {ar_stats.tokens_per_s:.0f} tokens/s. "
       f"Measured cost ratio c = draft/target forward = {c:.2f}")
 print("    k  same as AR   tau  predicted   alpha  accepted per round (0..k)  speedup  predicted  + verify cost")
 for k in ((2, 4) if args.quick else (1, 2, 4, 8)):
     out, st = speculative_generate(target, draft, prompt, new, k, temperature=0, stop_token=None)
     verify_cost = forward_seconds(target, k + 1) / step  # one target forward over k+1 positions
-    print(f"   {k:2d}  {str(out == ar_out):>9}  {st['tau']:4.2f}  {expected_tokens_per_round(st['alpha'], k):9.2f}"
-          f"   {st['alpha']:5.2f}  {str(st['accepted']):<25}  {st['tokens_per_s'] / ar_stats['tokens_per_s']:6.2f}x"
-          f"  {leviathan_speedup(st['alpha'], k, c):8.2f}x"
-          f"  {expected_tokens_per_round(st['alpha'], k) / (k * c + verify_cost):12.2f}x")
+    print(f"   {k:2d}  {str(out == ar_out):>9}  {st.tau:4.2f}  {expected_tokens_per_round(st.alpha, k):9.2f}"
+          f"   {st.alpha:5.2f}  {str(st.accepted):<25}  {st.tokens_per_s / ar_stats.tokens_per_s:6.2f}x"
+          f"  {leviathan_speedup(st.alpha, k, c):8.2f}x"
+          f"  {expected_tokens_per_round(st.alpha, k) / (k * c + verify_cost):12.2f}x")
 print("   tau counts every committed token per target forward, the corrected or bonus token included.")
 print("   Leviathan's formula assumes each guess is kept independently with probability alpha, and a")
 print("   target forward over k+1 positions costing as much as over one: tau = (1 - alpha^(k+1)) /")
@@ -132,6 +132,6 @@ print("   verify forward costs about one step: there the formula is the one to c
 
 out, st = speculative_generate(target, draft, prompt, new, 4, temperature=1.0, generator=generator,
                                stop_token=None)
-print(f"4. At temperature 1 (k = 4): alpha {st['alpha']:.2f}, tau {st['tau']:.2f}. The tokens now differ from")
+print(f"4. At temperature 1 (k = 4): alpha {st.alpha:.2f}, tau {st.tau:.2f}. The tokens now differ from")
 print("   any single AR run, but their distribution is the target's: tests/test_speculative.py checks")
 print("   that with a chi-square test against the exact joint distribution of a tiny model.")

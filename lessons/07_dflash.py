@@ -140,14 +140,14 @@ with torch.no_grad():
     n_new = 48 if args.quick else min(120, target.config.context - len(prompt))  # what the context holds
     ar_out, ar_stats = ar_generate(target, prompt, n_new, temperature=0, stop_token=None)
     print(f"6. The loop, greedy, {n_new} tokens after {tok.decode(prompt[1:])!r}:")
-    print(f"   ar      : {ar_stats['tokens_per_s']:6.0f} tokens/s, {ar_stats['forwards']} target forwards")
+    print(f"   ar      : {ar_stats.tokens_per_s:6.0f} tokens/s, {ar_stats.forwards} target forwards")
     for b in sorted({min(4, B), B}):
         out, st = dflash_generate(target, drafter, prompt, n_new, block_size=b, temperature=0, stop_token=None)
-        print(f"   dflash B={b}: {st['tokens_per_s']:6.0f} tokens/s, {st['target_forwards']} target forwards, "
-              f"tau {st['tau']:.2f}, accepted per round {st['accepted']}, same as ar: {out == ar_out}")
+        print(f"   dflash B={b}: {st.tokens_per_s:6.0f} tokens/s, {st.forwards} target forwards, "
+              f"tau {st.tau:.2f}, accepted per round {st.accepted}, same as ar: {out == ar_out}")
     print(f"   {tok.decode(out)!r}")
     print("   Same tokens as greedy ar, always. Untrained, the drafter is pure overhead (tau ~ 1 and an extra")
     print("   forward per round); trained, each round commits several tokens for one target forward")
-    print("   (target_forwards also counts the prefill over the prompt). At temperature > 0 the loop stays")
+    print("   (its target forwards also count the prefill over the prompt). At temperature > 0 the loop stays")
     print("   exact: the target samples every position itself and a draft only decides how far it gets")
     print("   (rule='match'), or a sampled draft goes through lesson 06's rejection rule (rule='reject').")

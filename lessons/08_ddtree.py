@@ -142,13 +142,13 @@ with torch.no_grad():
     n_new = 48 if args.quick else min(120, target.config.context - len(prompt))  # what the context holds
     ar_out, ar_stats = ar_generate(target, prompt, n_new, temperature=0, stop_token=None)
     print(f"5. The loop, greedy, {n_new} tokens after {tok.decode(prompt[1:])!r}:")
-    print(f"   ar          : {ar_stats['tokens_per_s']:6.0f} tokens/s")
+    print(f"   ar          : {ar_stats.tokens_per_s:6.0f} tokens/s")
     out, st = dflash_generate(target, drafter, prompt, n_new, temperature=0, stop_token=None)
-    print(f"   dflash B={B:<3}: {st['tokens_per_s']:6.0f} tokens/s, tau {st['tau']:.2f}, same as ar: {out == ar_out}")
+    print(f"   dflash B={B:<3}: {st.tokens_per_s:6.0f} tokens/s, tau {st.tau:.2f}, same as ar: {out == ar_out}")
     for budget in (4, 16, 64):
         out, st = ddtree_generate(target, drafter, prompt, n_new, budget=budget, temperature=0, stop_token=None)
-        print(f"   ddtree N={budget:<3}: {st['tokens_per_s']:6.0f} tokens/s, tau {st['tau']:.2f}, "
-              f"{st['nodes_per_round']:5.1f} nodes verified per round, same as ar: {out == ar_out}")
+        print(f"   ddtree N={budget:<3}: {st.tokens_per_s:6.0f} tokens/s, tau {st.tau:.2f}, "
+              f"{st.nodes_per_round:5.1f} nodes verified per round, same as ar: {out == ar_out}")
     print("   Same tokens as greedy ar, always (at T > 0 the target's own distribution: it samples at each node")
     print("   itself and the tree only decides how far it gets). With a trained drafter tau rises with the budget,")
     print("   but every node is one more row in the verify forward: a GPU decoding one sequence has room to spare")

@@ -139,26 +139,26 @@ if miss is not None:
     print(f"   {[(k, words([b])[0]) for k, b in m['keys']]};")
     print(f"   round {miss + 1} was drafted just in time, as in lesson 06.")
 ar_out, _ = ar_generate(target, prompt, new, temperature=0, stop_token=None)
-print(f"   Over the whole run: hit rate {stats['hit_rate']:.2f}, hits/lookups per k {stats['hits']} / "
-      f"{stats['lookups']}; output == greedy target decoding: {out == ar_out}.\n")
+print(f"   Over the whole run: hit rate {stats.hit_rate:.2f}, hits/lookups per k {stats.hits} / "
+      f"{stats.lookups}; output == greedy target decoding: {out == ar_out}.\n")
 
 print("2. Fan-out against hit rate, time and the modelled speedup (draft on its own device; a batched")
 print(f"   forward priced as one). {new} tokens, k = {K}, temperature 0.")
 spec_out, spec = speculative_generate(target, draft, prompt, new, K, temperature=0, stop_token=None)
-print(f"   spec-k{K}: {spec['tokens_per_s']:.0f} tokens/s, tau {spec['tau']:.2f}, alpha {spec['alpha']:.2f}")
+print(f"   spec-k{K}: {spec.tokens_per_s:.0f} tokens/s, tau {spec.tau:.2f}, alpha {spec.alpha:.2f}")
 print("   method   hit rate  draft fwd (ahead+jit)  tok/s threaded  tok/s sequential  modelled vs SD")
 uniform = {}
 for fan_out in ((1, 3) if args.quick else (1, 3, 8)):
     runs = {threaded: ssd_generate(target, draft, prompt, new, K, fan_out, temperature=0, stop_token=None,
                                    threaded=threaded, costs=costs)[1] for threaded in (True, False)}
     st = uniform[fan_out] = runs[True]
-    print(f"   ssd-f{fan_out:<3} {st['hit_rate']:8.2f}  {st['ahead_forwards']:>6} + {st['jit_forwards']:<14}"
-          f"{st['tokens_per_s']:14.0f}  {runs[False]['tokens_per_s']:16.0f}  {st['modelled_speedup']:13.2f}x")
+    print(f"   ssd-f{fan_out:<3} {st.hit_rate:8.2f}  {st.ahead_forwards:>6} + {st.jit_forwards:<14}"
+          f"{st.tokens_per_s:14.0f}  {runs[False].tokens_per_s:16.0f}  {st.modelled_speedup:13.2f}x")
 print("   The modelled column prices every forward with the costs measured above: SD pays k draft forwards")
 print("   and a verification per round, SSD a verification (or the run-ahead, if longer) plus drafting")
 print("   only after a miss. The measured columns are this CPU, both threads sharing its memory bandwidth.\n")
 
-alpha = spec["alpha"]
+alpha = spec.alpha
 budget = K + 1
 fan = geometric_fan_out(budget, K, alpha)
 print(f"3. Where to spend the branches. With alpha = {alpha:.2f}, 'k accepted' has probability "
@@ -167,21 +167,21 @@ print(f"   alpha^{K} for k = {K}. The paper's capped geometric allocation of {bu
       "(geometric_fan_out):")
 print(f"   {fan} instead of fan-out 1's {[1] * (K + 1)}.")
 st = ssd_generate(target, draft, prompt, new, K, fan, temperature=0, stop_token=None, costs=costs)[1]
-print(f"   Hit rate {st['hit_rate']:.2f} (fan-out 1: {uniform[1]['hit_rate']:.2f}); lookups per k {st['lookups']}.")
+print(f"   Hit rate {st.hit_rate:.2f} (fan-out 1: {uniform[1].hit_rate:.2f}); lookups per k {st.lookups}.")
 print("   The allocation assumes independent acceptances and a power law for the bonus's rank in q;")
 print("   acceptances come in streaks, so check it against the lookups per k you measure.")
 one = geometric_fan_out(1, K, 0.9)
 st = ssd_generate(target, draft, prompt, new, K, one, temperature=0, stop_token=None, threaded=True, costs=costs)[1]
 print("   On a CPU every branch is work the second core must finish within one verification, so the")
 print(f"   cheapest bet can win: one branch, {one} (all {K} drafts pass, then the draft's favourite):")
-print(f"   hit rate {st['hit_rate']:.2f}, {st['tokens_per_s']:.0f} tokens/s threaded against spec-k{K}'s "
-      f"{spec['tokens_per_s']:.0f} (bench row ssd-g1).\n")
+print(f"   hit rate {st.hit_rate:.2f}, {st.tokens_per_s:.0f} tokens/s threaded against spec-k{K}'s "
+      f"{spec.tokens_per_s:.0f} (bench row ssd-g1).\n")
 
 generator = torch.Generator().manual_seed(args.seed)
 st = ssd_generate(target, draft, prompt, new, K, 3, temperature=1.0, generator=generator, stop_token=None,
                   costs=costs)[1]
-print(f"4. At temperature 1 (fan-out 3): hit rate {st['hit_rate']:.2f}, hits/lookups per k {st['hits']} / "
-      f"{st['lookups']}.")
+print(f"4. At temperature 1 (fan-out 3): hit rate {st.hit_rate:.2f}, hits/lookups per k {st.hits} / "
+      f"{st.lookups}.")
 print("   After a rejection the target's token comes from the residual max(0, p - q): tokens the draft")
 print("   under-rates, so the draft's own favourites are poor bets there (the paper's Saguaro sampling")
 print("   reshapes q to fix that). The output still has exactly the target's distribution: verification")

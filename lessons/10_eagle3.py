@@ -116,7 +116,7 @@ for K in (1, 3):
         runs = [eagle_generate(target, head, p, 40, k=DRAFTS, temperature=0, stop_token=None) for p in prompts]
     same = all(out == ar_generate(target, p, 40, temperature=0, stop_token=None)[0]
                for (out, _), p in zip(runs, prompts))
-    tau = sum(stats["tau"] for _, stats in runs) / len(runs)
+    tau = sum(stats.tau for _, stats in runs) / len(runs)
     print(f"   K = {K}: step accuracy {' '.join(f'{a:.2f}' for a in accuracy)} | tau {tau:.2f} | "
           f"{seconds:.0f} s to train | output == greedy target: {same}")
 print("   Step 1 is equally good either way: both heads read the target's features there. From step 2 on")
@@ -133,7 +133,7 @@ print(f"   {'':<22} {'K = 1, T 0':>10} {'K = 1, T 1':>10} {'K = 3, T 0':>10} {'K
 with torch.no_grad():
     for budget, branch in ((None, 1), (8, 2), (16, 4)):
         taus = [sum(eagle_generate(target, heads[K], p, 40, k=DRAFTS, budget=budget, branch=branch, temperature=t,
-                                   generator=generator, stop_token=None)[1]["tau"] for p in prompts) / len(prompts)
+                                   generator=generator, stop_token=None)[1].tau for p in prompts) / len(prompts)
                 for K in (1, 3) for t in (0, 1.0)]
         name = "chain" if budget is None else f"tree of {budget}, branch {branch}"
         print(f"   {name:<22} " + " ".join(f"{tau:>10.2f}" for tau in taus))

@@ -129,7 +129,7 @@ want = greedy_texts(teacher, prompts, N, N)
 for name, m in (("teacher", teacher), ("student", student)):
     for label, rule in (("one per step", {}), ("threshold 0.7", {"threshold": 0.7}), ("threshold 0.3", {"threshold": 0.3}),
                         ("entropy bound 1", {"entropy_bound": 1.0})):
-        forwards = sum(generate_cached(m, p, N, N, N, **rule)[1]["forwards"] for p in prompts)
+        forwards = sum(generate_cached(m, p, N, N, N, **rule)[1].forwards for p in prompts)
         agree = agreement(want, greedy_texts(m, prompts, N, N, rule))
         print(f"   {name:<8}{label:<20}{N * len(prompts) / forwards:>8.2f}{agree:>8.2f}")
 print("   The teacher buys parallelism with guesses; the student commits a block in a forward or two and")

@@ -131,13 +131,13 @@ def recorded_run(generate, target, drafter, prompt, n, oracle=None, on_round=Non
 def check_block_counts(out, stats, rounds, B, prompt_length):
     """test_dflash's and test_ddtree's common stats checks: the stats agree with each other and with
     the rounds (histogram, tokens, forwards, alpha) and tau never exceeds B."""
-    assert len(stats["accepted"]) == B and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
-    assert [t for r in rounds for t in r["tokens"]] == out and stats["new_tokens"] == len(out)
-    assert stats["target_forwards"] == stats["rounds"] + (prompt_length > 1)
+    assert len(stats.accepted) == B and sum(stats.accepted) == stats.rounds == len(rounds)
+    assert [t for r in rounds for t in r["tokens"]] == out and stats.new_tokens == len(out)
+    assert stats.forwards == stats.rounds + (prompt_length > 1)
     accepted = sum(r["accepted"] for r in rounds)
-    assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
+    assert accepted == sum(n * c for n, c in enumerate(stats.accepted))
     assert_alpha(stats, rounds, accepted)
-    assert stats["tau"] == len(out) / stats["rounds"] and 1 <= stats["tau"] <= B
+    assert stats.tau == len(out) / stats.rounds and 1 <= stats.tau <= B
 
 
 def assert_alpha(stats, rounds, accepted):
@@ -145,9 +145,9 @@ def assert_alpha(stats, rounds, accepted):
     Trees (rounds without "drafts") have no single acceptance rate."""
     chain = all("drafts" in r for r in rounds)
     rejected = sum(r["accepted"] < len(r["drafts"]) for r in rounds) if chain else None
-    assert stats["rejected"] == rejected
+    assert stats.rejected == rejected
     judged = accepted + (rejected or 0)
-    assert stats["alpha"] == (accepted / judged if chain and judged else None)
+    assert stats.alpha == (accepted / judged if chain and judged else None)
 
 
 def assert_caches_equal(*pairs):
@@ -228,7 +228,7 @@ def sample_counts(generate, n, oracle, seed):
         if oracle is not None:
             oracle.reset(PROMPT)
         out, stats = generate(generator)
-        hist = [a + b for a, b in zip(hist, stats["accepted"])]
+        hist = [a + b for a, b in zip(hist, stats.accepted)]
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
     return counts, hist
 

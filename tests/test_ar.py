@@ -20,7 +20,7 @@ def test_greedy_equals_argmax_of_full_recomputation(tiny_model):
             logits[MASK] = float("-inf")
             seq.append(int(logits.argmax()))
         assert out == seq[len(prompt):]
-        assert stats["forwards"] == stats["new_tokens"] == 12
+        assert stats.forwards == stats.new_tokens == 12
 
 
 @torch.no_grad()
@@ -41,7 +41,7 @@ def test_stops_at_the_stop_token_and_fills_the_context_by_default(tiny_model):
     assert len(out) == tiny_model.config.context - 3
     stop = out[4]
     cut, stats = ar_generate(tiny_model, [1, 2, 3], None, temperature=0, stop_token=stop)
-    assert cut == out[:out.index(stop) + 1] and stats["new_tokens"] == len(cut)
+    assert cut == out[:out.index(stop) + 1] and stats.new_tokens == len(cut)
 
 
 @torch.no_grad()

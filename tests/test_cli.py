@@ -48,5 +48,5 @@ def test_help_names_the_command_and_every_default(prog, monkeypatch):
 
 
 def test_generate_prints_stats_that_apply_and_says_what_its_tau_counts():
-    line = generate.stats_line({"rounds": 5, "rejected": None, "alpha": None, "tau": 4.8, "target_forwards": 6})
-    assert line == "rounds 5 | tau (tokens per round) 4.8 | target_forwards 6"  # a tree has no alpha to print
+    line = generate.stats_line({"rounds": 5, "rejected": None, "alpha": None, "tau": 4.8, "forwards": 6})
+    assert line == "rounds 5 | tau (tokens per round) 4.8 | forwards 6"  # a tree has no alpha to print

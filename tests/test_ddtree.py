@@ -101,9 +101,9 @@ def check_counts(out, stats, rounds, B, budget, prompt_length):
     """The stats agree with each other and with the rounds; each round's path is a chain of the tree
     from the root, its tokens are what the round committed; no round commits more than B tokens."""
     check_block_counts(out, stats, rounds, B, prompt_length)
-    assert stats["draft_forwards"] == sum(r["tree"].size > 0 for r in rounds)
-    assert stats["proposed"] == sum(r["tree"].size for r in rounds)
-    assert stats["nodes_per_round"] == stats["proposed"] / stats["rounds"]
+    assert stats.draft_forwards == sum(r["tree"].size > 0 for r in rounds)
+    assert stats.proposed == sum(r["tree"].size for r in rounds)
+    assert stats.nodes_per_round == stats.proposed / stats.rounds
     for r in rounds:
         tree, path = r["tree"], r["path"]
         assert tree.size <= budget and int(tree.depths.max()) <= B - 1 and r["accepted"] == len(path)
@@ -147,7 +147,7 @@ def test_greedy_output_equals_the_targets_greedy_decoding(models64, small_vocab)
                                  stop_token=stop_token)
         assert out == expected, (seed, B, budget, name, stop)
         check_counts(out, stats, rounds, B, budget, len(prompt))
-        seen["rejected"] += stats["accepted"][0]
+        seen["rejected"] += stats.accepted[0]
         seen["partial"] += sum(0 < r["accepted"] < int(r["tree"].depths.max()) for r in rounds)
         seen["full"] += sum(0 < r["accepted"] == int(r["tree"].depths.max()) for r in rounds)
         seen["branch"] += branch_steps(rounds)
@@ -168,14 +168,14 @@ def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models64):
         out, stats, rounds = run(target, oracle.drafter, prompt, n, oracle, block_size=B, budget=32, temperature=0,
                                  stop_token=None)
         assert out == expected
-        assert stats["accepted"] == [0] * (B - 1) + [3] and stats["tau"] == B
-        assert stats["draft_forwards"] == 3 and stats["target_forwards"] == 3 + (len(prompt) > 1)
+        assert stats.accepted == [0] * (B - 1) + [3] and stats.tau == B
+        assert stats.draft_forwards == 3 and stats.forwards == 3 + (len(prompt) > 1)
         assert branch_steps(rounds) > 0
         check_counts(out, stats, rounds, B, 32, len(prompt))
         oracle.reset(prompt)
         single, dflash = dflash_generate(target, oracle.drafter, prompt, n, B, temperature=0, stop_token=None,
                                          on_round=oracle.on_round)
-        assert single == expected and dflash["tau"] < B
+        assert single == expected and dflash.tau < B
 
 
 @torch.no_grad()

@@ -39,8 +39,8 @@ def run(target, drafter, prompt, n, oracle=None, on_round=None, **kwargs):
 def check_counts(out, stats, rounds, B, prompt_length):
     """The stats agree with each other and with the rounds; no round commits more than B tokens."""
     check_block_counts(out, stats, rounds, B, prompt_length)
-    assert stats["draft_forwards"] == sum(len(r["drafts"]) > 0 for r in rounds)
-    assert stats["proposed"] == sum(len(r["drafts"]) for r in rounds)
+    assert stats.draft_forwards == sum(len(r["drafts"]) > 0 for r in rounds)
+    assert stats.proposed == sum(len(r["drafts"]) for r in rounds)
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= B for r in rounds)
 
 
@@ -199,8 +199,8 @@ def test_a_drafter_that_knows_the_targets_argmax_gives_tau_equal_to_B(models64):
         out, stats, rounds = run(target, oracle.drafter, prompt, n, oracle, block_size=B, temperature=0,
                                  stop_token=None)
         assert out == ar_generate(target, prompt, n, temperature=0, stop_token=None)[0]
-        assert stats["accepted"] == [0] * (B - 1) + [3] and stats["tau"] == B and stats["alpha"] == 1
-        assert stats["draft_forwards"] == 3 and stats["target_forwards"] == 3 + (len(prompt) > 1)
+        assert stats.accepted == [0] * (B - 1) + [3] and stats.tau == B and stats.alpha == 1
+        assert stats.draft_forwards == 3 and stats.forwards == 3 + (len(prompt) > 1)
         check_counts(out, stats, rounds, B, len(prompt))
 
 

@@ -258,7 +258,7 @@ def test_the_sampler_runs_on_a_moe_model(routing):
     ids, stats = generate(model, [50256, 464, 3797], gen_length=16, steps=8, block_length=8)
     assert len(ids) == 16 and MASK not in ids
     s = moe_stats(model)
-    assert s["forwards"] == stats["forwards"] and s["routing"] == routing
+    assert s["forwards"] == stats.forwards and s["routing"] == routing
     assert 2 <= s["unique_experts_per_block"] <= 8 and 0 < s["expert_bytes_per_forward"] <= s["expert_bytes_all"]
     if routing == "block":  # the routing blocks are the canvas's blocks: positions 3-10 and 11-18
         last = moe_layers(model)[0].last

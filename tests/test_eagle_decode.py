@@ -32,7 +32,7 @@ def check_counts(out, stats, rounds, n, k, budget, prompt_length):
     """The stats agree with the rounds; each round drafts min(k, what remains - 1) deep (nothing in a
     one-token prompt's first round); the head's forwards add up."""
     check_block_counts(out, stats, rounds, k + 1, prompt_length)
-    done, forwards = 0, stats["rounds"] + (prompt_length > 1)  # committed-row reads: each round, the prompt
+    done, forwards = 0, stats.rounds + (prompt_length > 1)  # committed-row reads: each round, the prompt
     for r in rounds:
         depth = 0 if done == 0 and prompt_length == 1 else min(k, n - done - 1)
         forwards += max(0, depth - 1)
@@ -43,9 +43,9 @@ def check_counts(out, stats, rounds, n, k, budget, prompt_length):
             tree, path = r["tree"], r["path"]
             assert tree.size <= budget and int(tree.depths.max()) <= depth and r["accepted"] == len(path)
             assert [int(tree.parents[i]) for i in path] == [0, *path][:len(path)]
-    assert stats["draft_forwards"] == forwards
-    assert stats["proposed"] == sum(len(r["drafts"]) if budget is None else r["tree"].size for r in rounds)
-    assert budget is None or stats["nodes_per_round"] == stats["proposed"] / stats["rounds"]
+    assert stats.draft_forwards == forwards
+    assert stats.proposed == sum(len(r["drafts"]) if budget is None else r["tree"].size for r in rounds)
+    assert budget is None or stats.nodes_per_round == stats.proposed / stats.rounds
 
 
 def branch_steps(rounds):
@@ -80,7 +80,7 @@ def test_greedy_output_equals_the_targets_greedy_decoding(models64, small_vocab)
         assert out == expected, (seed, k, budget, name, stop)
         check_counts(out, stats, rounds, 24, k, budget, len(prompt))
         depth = [len(r["drafts"]) if budget is None else int(r["tree"].depths.max()) for r in rounds]
-        seen["rejected"] += stats["accepted"][0]
+        seen["rejected"] += stats.accepted[0]
         seen["partial"] += sum(0 < r["accepted"] < d for r, d in zip(rounds, depth))
         seen["full"] += sum(0 < r["accepted"] == d for r, d in zip(rounds, depth))
         seen["branch"] += branch_steps(rounds) if budget else 0
@@ -104,7 +104,7 @@ def test_a_head_that_knows_the_target_gives_tau_k_plus_1(models64):
                                      temperature=0, stop_token=None)
             assert out == expected
             check_counts(out, stats, rounds, n, k, budget, len(prompt))
-            assert (stats["accepted"] == full) == (name != "chain, decoys"), (name, k, prompt, stats["accepted"])
+            assert (stats.accepted == full) == (name != "chain, decoys"), (name, k, prompt, stats.accepted)
             if budget is not None:
                 assert branch_steps(rounds) > 0
 

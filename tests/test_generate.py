@@ -92,7 +92,7 @@ def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
     ssd = json.loads(run(*common, "--method", "ssd", "--draft", tmp_path / "draft.pt", "--k", 3,
                          "--fan-out", "0,0,0,1").stdout)  # one branch: after all 3 drafts pass
     assert spec["ids"] == ar["ids"] == via_config["ids"] == ssd["ids"]
-    assert spec["stats"]["target_forwards"] == spec["stats"]["rounds"] and len(spec["stats"]["accepted"]) == 4
+    assert spec["stats"]["forwards"] == spec["stats"]["rounds"] and len(spec["stats"]["accepted"]) == 4
     assert ssd["stats"]["accepted"] == spec["stats"]["accepted"] and ssd["stats"]["hits"][:3] == [0, 0, 0]
     res = run(*common, "--method", "ssd", "--draft", tmp_path / "draft.pt", "--k", 3, "--fan-out", "0,1")
     assert res.returncode != 0 and "a list of k+1 = 4 integers" in res.stderr.strip().splitlines()[-1]

@@ -147,4 +147,4 @@ def test_ddtree_verification_gives_the_same_tokens_with_the_kernels(launches):
     drafter = random_drafter(target, seed=7, block_size=8, n_features=1, std=0.3).to(DEVICE)
     out, ref = both_ways(lambda: ddtree_generate(target, drafter, [1, 2, 3], 20, budget=16, stop_token=None))
     assert out[0] == ref[0]
-    assert launches["attention"] == 2 * out[1]["rounds"]  # every verify forward, both layers
+    assert launches["attention"] == 2 * out[1].rounds  # every verify forward, both layers

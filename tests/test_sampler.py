@@ -71,7 +71,7 @@ def test_llada_schedule_invariants(model, steps, block_length):
         assert len(changed) == plan[step_in_block]
         done_blocks = max(done_blocks, b)
     assert done_blocks == blocks - 1 and MASK not in ids and len(ids) == 16
-    assert stats["forwards"] == len(trace) == steps
+    assert stats.forwards == len(trace) == steps
 
 
 def test_temperature_zero_commits_the_most_confident_argmax(model):
@@ -96,7 +96,7 @@ def test_threshold_commits_all_above_and_at_least_one(model, threshold):
         above = (lo + ((confidence >= threshold) & masked).nonzero().flatten()).tolist()
         assert len(event["committed"]) == max(1, len(above))
         assert set(above) <= set(event["committed"])
-    assert MASK not in ids and stats["forwards"] == len(trace) <= 16
+    assert MASK not in ids and stats.forwards == len(trace) <= 16
 
 
 def test_self_correction_changes_only_the_revised_tokens(model):
@@ -111,7 +111,7 @@ def test_self_correction_changes_only_the_revised_tokens(model):
         if event["revised"]:
             revisions += 1
             assert event["committed"] == event["revised"]  # re-masked, then predicted again
-    assert revisions == 2 * 3 and stats["forwards"] == 8 + 2 * 3 and MASK not in ids
+    assert revisions == 2 * 3 and stats.forwards == 8 + 2 * 3 and MASK not in ids
 
 
 def test_same_seed_same_tokens(model):
@@ -140,7 +140,7 @@ def test_cached_equals_uncached_block_causal(sharp, shift, steps, block_length, 
     for prompt in (PROMPT, PROMPT * 3):
         a, sa = generate(model, prompt, 16, steps, block_length, block_causal=True, **rule)
         b, sb = generate_cached(model, prompt, 16, steps, block_length, **rule)
-        assert a == b and sa["forwards"] == sb["forwards"]
+        assert a == b and sa.forwards == sb.forwards
 
 
 def entropies(logits, temperature):
@@ -183,9 +183,9 @@ def test_entropy_bound_commits_the_longest_run_the_bound_allows(peaked, bound, t
             if remasking == "left_to_right" else [float(torch.softmax(logits[i, :MASK].double(), -1).max()) for i in masked]
         ranked = [i for _, i in sorted(zip(score, masked), reverse=True)]
         assert sorted(committed) == sorted(ranked[:longest_run([h[i] for i in ranked], bound)])
-    assert MASK not in ids and stats["forwards"] == len(trace)
+    assert MASK not in ids and stats.forwards == len(trace)
     if bound == 1e9:
-        assert stats["forwards"] == 2  # everything fits: one forward per block
+        assert stats.forwards == 2  # everything fits: one forward per block
     if bound == 1.0:
         assert 1 < max(sizes) < 8  # the bound binds: some steps commit several tokens, none a whole block
 
@@ -195,7 +195,7 @@ def test_entropy_bound_zero_is_one_token_per_step(peaked, temperature):
     for sampler in (generate, generate_cached):
         outs = [sampler(peaked, PROMPT, 16, 16, 8, temperature, generator=torch.Generator().manual_seed(9), **rule)
                 for rule in ({}, {"entropy_bound": 0.0})]
-        assert outs[0][0] == outs[1][0] and outs[1][1]["forwards"] == 16
+        assert outs[0][0] == outs[1][0] and outs[1][1].forwards == 16
 
 
 @pytest.mark.parametrize("sampler", [generate, generate_cached])

@@ -27,16 +27,16 @@ from tinydiff.tokenizer import MASK
 
 def check_counts(out, stats, rounds, k):
     """The stats agree with each other and with what every round reported."""
-    assert len(stats["accepted"]) == k + 1 and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
-    assert stats["target_forwards"] == stats["rounds"] and stats["new_tokens"] == len(out)
+    assert len(stats.accepted) == k + 1 and sum(stats.accepted) == stats.rounds == len(rounds)
+    assert stats.forwards == stats.rounds and stats.new_tokens == len(out)
     assert sum(len(r["tokens"]) for r in rounds) == len(out)
     assert [t for r in rounds for t in r["tokens"]] == out
-    assert stats["proposed"] == stats["draft_forwards"] == sum(len(r["drafts"]) for r in rounds)
+    assert stats.proposed == stats.draft_forwards == sum(len(r["drafts"]) for r in rounds)
     accepted = sum(r["accepted"] for r in rounds)
-    assert accepted == sum(n * c for n, c in enumerate(stats["accepted"]))
+    assert accepted == sum(n * c for n, c in enumerate(stats.accepted))
     assert_alpha(stats, rounds, accepted)
-    assert stats["tau"] == len(out) / stats["target_forwards"]
-    assert 0 < stats["draft_seconds"] + stats["verify_seconds"] <= stats["seconds"]  # both inside the timed loop
+    assert stats.tau == len(out) / stats.forwards
+    assert 0 < stats.draft_seconds + stats.verify_seconds <= stats.seconds  # both inside the timed loop
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
 
@@ -75,7 +75,7 @@ def test_draft_equal_to_target_accepts_every_draft(greedy_models):
         out, stats = speculative_generate(target, target, prompt, n, k, temperature=0, stop_token=None,
                                           on_round=on_round)
         assert out == ar_generate(target, prompt, n, temperature=0, stop_token=None)[0]
-        assert stats["accepted"] == [0] * k + [3] and stats["tau"] == k + 1 and stats["alpha"] == 1
+        assert stats.accepted == [0] * k + [3] and stats.tau == k + 1 and stats.alpha == 1
         assert all(len(r["tokens"]) == k + 1 for r in rounds)
         check_counts(out, stats, rounds, k)
 
@@ -93,7 +93,7 @@ def test_always_wrong_draft_commits_one_token_per_round(greedy_models):
         out, stats = speculative_generate(target, draft, prompt, 20, k, temperature=0, stop_token=None,
                                           on_round=on_round)
         assert out == expected
-        assert stats["tau"] == 1 and stats["alpha"] == 0 and stats["accepted"][0] == stats["rounds"] == 20
+        assert stats.tau == 1 and stats.alpha == 0 and stats.accepted[0] == stats.rounds == 20
         assert all(set(r["drafts"]) <= {wrong} for r in rounds)
         check_counts(out, stats, rounds, k)
 
@@ -250,11 +250,11 @@ def test_alpha_estimates_the_per_draft_acceptance_probability():
     beta, k = 0.6, 8
     _, stats = speculative_generate(target, draft, [0], 1500, k, temperature=1.0,
                                     generator=torch.Generator().manual_seed(0), stop_token=None)
-    judged = sum(n * c for n, c in enumerate(stats["accepted"])) + stats["rejected"]
-    assert abs(stats["alpha"] - beta) < 4 * math.sqrt(beta * (1 - beta) / judged)
-    per_round = [n + 1 for n, c in enumerate(stats["accepted"]) for _ in range(c)]
+    judged = sum(n * c for n, c in enumerate(stats.accepted)) + stats.rejected
+    assert abs(stats.alpha - beta) < 4 * math.sqrt(beta * (1 - beta) / judged)
+    per_round = [n + 1 for n, c in enumerate(stats.accepted) for _ in range(c)]
     spread = torch.tensor(per_round, dtype=torch.float64).std().item() / math.sqrt(len(per_round))
-    assert abs(stats["tau"] - expected_tokens_per_round(beta, k)) < 4 * spread
+    assert abs(stats.tau - expected_tokens_per_round(beta, k)) < 4 * spread
 
 
 # Distribution: at temperature > 0 the committed tokens must follow the target's joint exactly.

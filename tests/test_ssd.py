@@ -32,14 +32,14 @@ def check_counts(out, stats, rounds, k, full_context=False):
     """The stats agree with each other and with what every round reported, and every lookup was
     answered by the cache exactly when the round's outcome was among the keys it stored (only if,
     when the run fills the context: the last run-aheads then have no room for whole speculations)."""
-    assert len(stats["accepted"]) == k + 1 and sum(stats["accepted"]) == stats["rounds"] == len(rounds)
-    assert stats["target_forwards"] == stats["rounds"] and stats["new_tokens"] == len(out)
+    assert len(stats.accepted) == k + 1 and sum(stats.accepted) == stats.rounds == len(rounds)
+    assert stats.forwards == stats.rounds and stats.new_tokens == len(out)
     assert [t for r in rounds for t in r["tokens"]] == out
-    assert stats["proposed"] == sum(len(r["drafts"]) for r in rounds)
-    assert stats["jit_forwards"] == sum(r["jit_forwards"] for r in rounds)
-    assert stats["ahead_forwards"] == sum(r["ahead_forwards"] for r in rounds)
-    assert stats["draft_forwards"] == stats["jit_forwards"] + stats["ahead_forwards"]
-    assert stats["branches"] == sum(len(r["keys"]) for r in rounds)
+    assert stats.proposed == sum(len(r["drafts"]) for r in rounds)
+    assert stats.jit_forwards == sum(r["jit_forwards"] for r in rounds)
+    assert stats.ahead_forwards == sum(r["ahead_forwards"] for r in rounds)
+    assert stats.draft_forwards == stats.jit_forwards + stats.ahead_forwards
+    assert stats.branches == sum(len(r["keys"]) for r in rounds)
     assert rounds[0]["cached"] is None
     hits, lookups = [0] * (k + 1), [0] * (k + 1)
     for r in rounds:  # drafting just in time happens exactly when the speculation was not cached
@@ -51,11 +51,11 @@ def check_counts(out, stats, rounds, k, full_context=False):
             hits[r["accepted"]] += nxt["cached"]
             stored = (r["accepted"], r["tokens"][-1]) in r["keys"]
             assert nxt["cached"] <= stored if full_context else nxt["cached"] == stored
-    assert stats["hits"] == hits and stats["lookups"] == lookups
-    assert stats["hit_rate"] == (sum(hits) / sum(lookups) if sum(lookups) else None)
-    accepted = sum(n * c for n, c in enumerate(stats["accepted"]))
+    assert stats.hits == hits and stats.lookups == lookups
+    assert stats.hit_rate == (sum(hits) / sum(lookups) if sum(lookups) else None)
+    accepted = sum(n * c for n, c in enumerate(stats.accepted))
     assert_alpha(stats, rounds, accepted)
-    assert stats["tau"] == len(out) / stats["rounds"]
+    assert stats.tau == len(out) / stats.rounds
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 
 
@@ -138,8 +138,8 @@ def test_a_fan_out_covering_the_vocabulary_always_hits():
             out, stats = ssd_generate(target, draft, PROMPT, 8, k, fan_out, temperature, stop_token=None,
                                       generator=torch.Generator().manual_seed(seed), on_round=on_round, costs=COSTS)
             check_counts(out, stats, rounds, k)
-            assert sum(stats["lookups"]) > 0 and stats["hit_rate"] == 1
-            assert stats["jit_forwards"] == len(rounds[0]["drafts"])  # only the first round drafts just in time
+            assert sum(stats.lookups) > 0 and stats.hit_rate == 1
+            assert stats.jit_forwards == len(rounds[0]["drafts"])  # only the first round drafts just in time
 
 
 @torch.no_grad()
@@ -159,10 +159,10 @@ def test_threaded_and_sequential_runs_agree_draw_for_draw(greedy_models):
                 out, stats = ssd_generate(*models, [3, 4, 1, 2], 8, 3, 2, *warping,
                                           generator=torch.Generator().manual_seed(seed), stop_token=None,
                                           threaded=threaded, on_round=on_round, costs=COSTS)
-                counts = {key: value for key, value in stats.items() if not key.startswith(ignore)}
+                counts = {key: value for key, value in stats.row().items() if not key.startswith(ignore)}
                 trace = [(r["drafts"], r["cached"], r["keys"], r["accepted"]) for r in rounds]
                 runs.append((out, counts, trace))
-                assert stats["threaded"] == threaded
+                assert stats.threaded == threaded
             assert runs[0] == runs[1], (warping, seed)
             used_cache += sum(r[1] is True for r in runs[0][2])
         assert used_cache > 0, warping
@@ -177,16 +177,16 @@ def test_modelled_times_follow_from_the_counted_forwards(greedy_models):
         rounds, on_round = recorder()
         out, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 24, 4, 2, stop_token=None,
                                   on_round=on_round, costs=(draft_s, target_s))
-        sd = stats["rounds"] * target_s + stats["proposed"] * draft_s
+        sd = stats.rounds * target_s + stats.proposed * draft_s
         ssd = sum(r["jit_forwards"] * draft_s + max(target_s, r["ahead_forwards"] * draft_s) for r in rounds)
-        assert math.isclose(stats["modelled_seconds_sd"], sd) and math.isclose(stats["modelled_seconds_ssd"], ssd)
-        assert math.isclose(stats["modelled_speedup"], sd / ssd)
-        assert (draft_s, target_s) == (stats["draft_forward_seconds"], stats["target_forward_seconds"])
+        assert math.isclose(stats.modelled_seconds_sd, sd) and math.isclose(stats.modelled_seconds_ssd, ssd)
+        assert math.isclose(stats.modelled_speedup, sd / ssd)
+        assert (draft_s, target_s) == (stats.draft_forward_seconds, stats.target_forward_seconds)
         if draft_s == 0:
-            assert math.isclose(ssd, stats["rounds"] * target_s)
+            assert math.isclose(ssd, stats.rounds * target_s)
         assert any(r["ahead_forwards"] * draft_s > target_s for r in rounds) == (draft_s == 0.7)
     _, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 8, 2, 1, stop_token=None)  # measured costs
-    assert stats["draft_forward_seconds"] > 0 and stats["target_forward_seconds"] > 0
+    assert stats.draft_forward_seconds > 0 and stats.target_forward_seconds > 0
 
 
 def test_geometric_fan_out_is_the_best_split_of_its_budget():
@@ -355,7 +355,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
         out, stats = ssd_generate(target, draft, PROMPT, NEW, k, fan_out, temperature, top_k, top_p,
                                   generator=generator, stop_token=None, costs=COSTS)
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
-        hits, lookups = hits + sum(stats["hits"]), lookups + sum(stats["lookups"])
+        hits, lookups = hits + sum(stats.hits), lookups + sum(stats.lookups)
     assert hits > 0.05 * n  # the cached speculations are exercised, not only just-in-time drafting
     if case.startswith("whole vocabulary"):
         assert hits == lookups

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import EOT
 
 
@@ -43,10 +44,10 @@ def check_prompt(prompt, context: int, max_new_tokens: int | None) -> int:
 @torch.no_grad()
 def ar_generate(model, prompt, max_new_tokens=None, temperature=1.0, top_k=None, top_p=None,
                 generator=None, stop_token=EOT):
-    """Decode after `prompt` (list of ids); returns (new ids, stats).
+    """Decode after `prompt` (list of ids).
 
     Stops after `max_new_tokens` (default: until the context is full) or after emitting
-    `stop_token` (None: never). stats: forwards, new_tokens, seconds, tokens_per_s.
+    `stop_token` (None: never). Returns (new ids, tally.Decoded).
     """
     check_warp_args(temperature, top_k, top_p)
     n_new = check_prompt(prompt, model.config.context, max_new_tokens)
@@ -63,8 +64,4 @@ def ar_generate(model, prompt, max_new_tokens=None, temperature=1.0, top_k=None,
         if out[-1] == stop_token:
             break
         x = token.view(1, 1)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return out, {"forwards": forwards, "new_tokens": len(out), "seconds": seconds,
-                 "tokens_per_s": len(out) / seconds}
+    return out, Decoded(new_tokens=len(out), forwards=forwards, seconds=elapsed(start, device))

@@ -41,7 +41,8 @@ from tinydiff.dflash_decode import check_drafter, prefill_caches
 from tinydiff.errors import UserError
 from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import Tally, cut_at_stop
+from tinydiff.speculative import cut_at_stop
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -185,12 +186,9 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     tree, path (accepted nodes), accepted (their count = depth reached), tokens (committed this
     round), seq (prompt + everything committed), target_cache, draft_cache (both compacted).
 
-    Returns (new ids, stats) with dflash_generate's keys:
-      rounds, accepted (histogram over the accepted depth 0..B-1), proposed (tree nodes verified),
-      rejected and alpha (None: a tree has no single acceptance rate; most nodes are alternatives), tau (new tokens per
-      round, bonus included, 1..B), target_forwards (rounds + the prefill), draft_forwards (one per
-      round that drafted), new_tokens, seconds, tokens_per_s;
-    and nodes_per_round (proposed / rounds: the tree rows each verify forward computes).
+    Returns (new ids, tally.Speculated): accepted over the depth reached 0..B-1, proposed = tree
+    nodes verified (nodes_per_round: the tree rows each verify forward computes), no rejected or
+    alpha (most nodes are alternatives, not a chain's judged drafts), forwards = rounds + the prefill.
     """
     check_budget(budget)
     check_warp_args(temperature, top_k, top_p)
@@ -228,5 +226,4 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    stats = tally.stats(out, device)
-    return out, {**stats, "nodes_per_round": stats["proposed"] / stats["rounds"]}
+    return out, tally.result(out, device)

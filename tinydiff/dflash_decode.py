@@ -32,7 +32,8 @@ from tinydiff.dflash import DFlashDrafter, draft_block
 from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import Tally, cut_at_stop, verify
+from tinydiff.speculative import cut_at_stop, verify
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT, MASK
 
 def sample_and_match(p, drafts, generator=None, greedy=False):
@@ -110,10 +111,8 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     on_round(info) is called after every round with: drafts, accepted (n), tokens (committed this
     round), seq (prompt + everything committed), target_cache, draft_cache (both rolled back).
 
-    Returns (new ids, stats) with speculative_generate's keys:
-      rounds, accepted (histogram over n = 0..B-1), proposed, rejected, alpha (accepted / judged),
-      tau (new tokens per round, bonus included, 1..B), target_forwards (rounds + the prefill),
-      draft_forwards (one per round that drafted), new_tokens, seconds, tokens_per_s.
+    Returns (new ids, tally.Speculated): accepted over n = 0..B-1, forwards = rounds + the prefill,
+    one draft forward per round that drafted.
     """
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -149,4 +148,4 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, tally.stats(out, device)
+    return out, tally.result(out, device)

@@ -43,7 +43,8 @@ from tinydiff.drafter import check_target
 from tinydiff.eagle import EagleHead, draftable
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import Tally, cut_at_stop, verify
+from tinydiff.speculative import cut_at_stop, verify
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT
 
 
@@ -213,7 +214,7 @@ def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
 
 def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args, generator, stop_token, on_round):
     """The loop both modes share: prefill, then draft + verify (`one_round`), commit, until done.
-    Returns (new ids, speculative.Tally's stats)."""
+    Returns (new ids, tally.Speculated)."""
     check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     check_head(target, head)
@@ -243,7 +244,7 @@ def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args,
                       "target_cache": s.target_cache, "draft_cache": s.head_cache})
         if stopped:
             break
-    return out, tally.stats(out, device)
+    return out, tally.result(out, device)
 
 
 @torch.no_grad()
@@ -260,9 +261,8 @@ def eagle_tree(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, t
                top_p=None, generator=None, stop_token=EOT, on_round=None):
     """EAGLE-3 with EAGLE-2's dynamic tree: up to `budget` nodes, k deep, `branch` wide, one verify."""
     check_shape(k, budget, branch)
-    out, stats = decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget),
-                        False, (temperature, top_k, top_p), generator, stop_token, on_round)
-    return out, {**stats, "nodes_per_round": stats["proposed"] / stats["rounds"]}
+    return decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget), False,
+                  (temperature, top_k, top_p), generator, stop_token, on_round)
 
 
 def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
@@ -274,11 +274,8 @@ def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branc
     path (tree), accepted (n), tokens (committed this round), seq (prompt + everything committed),
     target_cache, draft_cache (the head's; both hold seq[:-1]).
 
-    Returns (new ids, stats) with speculative_generate's keys: rounds, accepted (histogram over
-    n = 0..k), proposed (drafts or tree nodes), rejected and alpha (accepted / judged drafts; None
-    for a tree, which has no single acceptance rate), tau (new tokens per round, bonus included,
-    1..k+1), target_forwards (rounds + the prefill), draft_forwards (head forwards, committed-row
-    reads included), new_tokens, seconds, tokens_per_s; a tree run adds nodes_per_round.
+    Returns (new ids, tally.Speculated): proposed counts drafts or tree nodes, forwards = rounds +
+    the prefill, draft_forwards = head forwards, committed-row reads included.
     """
     common = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, stop_token=stop_token,
                   on_round=on_round)

@@ -60,15 +60,14 @@ def distinct_n(samples: list[list[int]], n: int = 2) -> float:
 
 
 def sample_and_judge(sample, judge, n: int, device, desc: str = "samples") -> dict:
-    """Draw n stories with sample(prompt, generator) -> (ids, stats) after EOT, seeds 0..n-1, and judge them.
-
-    Returns forwards_per_token (forwards of the sampled model; stats["target_forwards"] where a
-    method also runs a draft), gen_ppl, gen_ppl_95, distinct_2 and the stories."""
+    """Draw n stories with sample(prompt, generator) -> (ids, tally.Decoded) after EOT, seeds 0..n-1,
+    and judge them. Returns forwards_per_token (forwards of the sampled model, a draft's not
+    counted), gen_ppl, gen_ppl_95, distinct_2 and the stories."""
     samples, forwards, tokens = [], 0, 0
     for seed in tqdm(range(n), desc=desc, file=sys.stderr):
-        ids, stats = sample([EOT], torch.Generator(device).manual_seed(seed))
+        ids, result = sample([EOT], torch.Generator(device).manual_seed(seed))
         samples.append(story(ids))
-        forwards += stats["target_forwards"] if "target_forwards" in stats else stats["forwards"]
+        forwards += result.forwards
         tokens += len(ids)
     nlls, counts = sample_nlls(judge, samples)
     return {"forwards_per_token": forwards / tokens, "gen_ppl": math.exp(sum(nlls) / sum(counts)),

@@ -39,6 +39,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.diffusion import subs_logits
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args
+from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import MASK
 
 REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right")
@@ -165,19 +166,15 @@ class Trace:
             self.callback({"forward": self.forwards, "block": block, "canvas": canvas.clone(),
                            "committed": committed, "revised": list(revised)})
 
-    def stats(self, new_tokens: int, device) -> dict:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - self.start
-        return {"forwards": self.forwards, "new_tokens": new_tokens, "seconds": seconds,
-                "tokens_per_s": new_tokens / seconds, "tokens_per_forward": new_tokens / self.forwards}
+    def result(self, new_tokens: int, device) -> Decoded:
+        return Decoded(new_tokens=new_tokens, forwards=self.forwards, seconds=elapsed(self.start, device))
 
 
 @torch.no_grad()
 def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
              remasking="low_confidence", threshold=None, revise=0, block_causal=False,
              generator=None, callback=None, entropy_bound=None):
-    """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, stats)."""
+    """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, tally.Decoded)."""
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
                                      remasking, threshold, entropy_bound)
     if revise < 0:
@@ -214,14 +211,14 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
             committed = commit(canvas, lo, block_logits(lo), 1, None, temperature, remasking,
                                generator, confidences)
             trace.step(canvas, b, committed, revised=[worst])
-    return canvas[P:].tolist(), trace.stats(gen_length, device)
+    return canvas[P:].tolist(), trace.result(gen_length, device)
 
 
 @torch.no_grad()
 def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
                     remasking="low_confidence", threshold=None, generator=None, callback=None,
                     entropy_bound=None):
-    """Block-causal semi-AR sampling with a KV cache of the finished prefix; (new ids, stats).
+    """Block-causal semi-AR sampling with a KV cache of the finished prefix; (new ids, tally.Decoded).
 
     The cache holds the prompt and the finished blocks. A block's keys/values are computed once,
     from its final tokens: they ride along with the first step of the next block (one forward
@@ -264,4 +261,4 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
                                generator, confidences, entropy_bound)
             trace.step(canvas, b, committed)
             step += 1
-    return canvas[P:].tolist(), trace.stats(gen_length, device)
+    return canvas[P:].tolist(), trace.result(gen_length, device)

@@ -22,13 +22,13 @@ draft never reads its own last draft x_K, so after a full acceptance its cache i
 Leaves out: batches, tree drafts (see ddtree.py), adapting K on the fly, a draft on another device.
 """
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, residual, sample
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT
 
 
@@ -101,21 +101,8 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     accepted (n), tokens (what the round committed), seq (prompt + everything committed),
     target_cache, draft_cache (the caches, already rolled back; see the module docstring).
 
-    Returns (new ids, stats):
-      rounds           verification rounds (= target_forwards)
-      accepted         histogram: accepted[n] = rounds that accepted n drafts, n = 0..k
-      proposed         drafts proposed over all rounds
-      rejected         rounds that rejected a draft (at most one rejection per round)
-      alpha            acceptance rate, Leviathan's: accepted / (accepted + rejected), the share of
-                       the drafts the target judged that it kept (None if it judged none). Drafts
-                       after a rejection are never judged; counting them (accepted / proposed) would
-                       make alpha fall with k for the same draft.
-      tau              new tokens per target forward, the bonus/corrected token included (1..k+1)
-      target_forwards  one per round (the prompt's prefill rides along with the first)
-      draft_forwards   one per proposed draft
-      draft_seconds, verify_seconds  wall time spent drafting, and in the target forward + the
-                       acceptance rule: the real per-draft and per-verify costs of this loop
-      new_tokens, seconds, tokens_per_s
+    Returns (new ids, tally.Speculated): one target forward per round (the prompt's prefill rides
+    along with the first), one draft forward per draft, and the time spent drafting and verifying.
     """
     if not isinstance(k, int) or k < 1:
         raise UserError(f"k (drafts per round) must be an integer >= 1, got {k!r}")
@@ -150,7 +137,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, {**tally.stats(out, device), "draft_seconds": draft_seconds, "verify_seconds": verify_seconds}
+    return out, tally.result(out, device, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
@@ -158,43 +145,6 @@ def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
     if stop_token in tokens:
         return tokens[:tokens.index(stop_token) + 1], True
     return tokens, False
-
-
-@dataclass
-class Tally:
-    """What every draft/verify loop counts, one `add` per round, and the stats it reports (`stats`,
-    with speculative_generate's keys). A loop that verifies trees passes chain=False: a tree has no
-    single acceptance rate, so rejected and alpha are None. `start` is when the loop's clock started."""
-    k: int  # the most drafts a round can accept: hist[n] counts rounds that accepted n, n = 0..k
-    chain: bool = True
-    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
-    proposed: int = 0
-    rejected: int = 0  # rounds that rejected a draft (chains)
-    draft_forwards: int = 0
-    hist: list = field(init=False)
-    start: float = field(init=False)
-
-    def __post_init__(self):
-        self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
-
-    def add(self, accepted: int, proposed: int, draft_forwards: int):
-        self.hist[accepted] += 1
-        self.proposed += proposed
-        self.rejected += self.chain and accepted < proposed
-        self.draft_forwards += draft_forwards
-
-    def stats(self, out, device) -> dict:
-        """Waits for the GPU first, so `seconds` is the wall time of real work."""
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds, rounds = time.perf_counter() - self.start, sum(self.hist)
-        accepted = sum(n * count for n, count in enumerate(self.hist))
-        judged = accepted + self.rejected
-        return {"rounds": rounds, "accepted": self.hist, "proposed": self.proposed,
-                "rejected": self.rejected if self.chain else None,
-                "alpha": accepted / judged if self.chain and judged else None, "tau": len(out) / rounds,
-                "target_forwards": rounds + self.prefill, "draft_forwards": self.draft_forwards,
-                "new_tokens": len(out), "seconds": seconds, "tokens_per_s": len(out) / seconds}
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

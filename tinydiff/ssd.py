@@ -63,7 +63,8 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import Tally, check_models, cut_at_stop, draft_round, target_probs, verify
+from tinydiff.speculative import check_models, cut_at_stop, draft_round, target_probs, verify
+from tinydiff.tally import SsdDecoded, Tally
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -246,7 +247,7 @@ def forward_seconds(model, seq, reps: int = 5) -> float:
 
 @dataclass
 class SsdTally:
-    """What an SSD run counts beyond speculative.Tally's (`rounds`), and the stats it reports."""
+    """What an SSD run counts beyond tally.Tally's (`rounds`), and the result it reports."""
     k: int
     draft_s: float  # the per-forward costs the modelled times price
     target_s: float
@@ -273,20 +274,16 @@ class SsdTally:
         self.lookups[n] += 1
         self.hits[n] += hit
 
-    def stats(self, out, device, threaded: bool) -> dict:
-        stats = self.rounds.stats(out, device)
+    def result(self, out, device, threaded: bool) -> SsdDecoded:
         per_jit_forward = self.seconds_jit / self.jit if self.jit else self.draft_s
-        proposed = stats["proposed"]
-        avoided = per_jit_forward * (proposed - self.jit)  # proposed drafts not drafted just in time: hits
-        modelled_sd = stats["rounds"] * self.target_s + proposed * self.draft_s
-        return {**stats, "hit_rate": sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None,
-                "hits": self.hits, "lookups": self.lookups, "jit_forwards": self.jit, "ahead_forwards": self.ahead,
-                "branches": self.branches, "seconds_jit": self.seconds_jit, "seconds_waiting": self.seconds_waiting,
-                "seconds_jit_avoided": avoided, "seconds_hidden": avoided - self.seconds_waiting,
-                "draft_forward_seconds": self.draft_s, "target_forward_seconds": self.target_s,
-                "modelled_seconds_sd": modelled_sd, "modelled_seconds_ssd": self.modelled_ssd,
-                "modelled_speedup": modelled_sd / self.modelled_ssd if self.modelled_ssd else None,
-                "threaded": threaded}
+        proposed, rounds = self.rounds.proposed, sum(self.rounds.hist)
+        return self.rounds.result(
+            out, device, SsdDecoded, hits=list(self.hits), lookups=list(self.lookups), jit_forwards=self.jit,
+            ahead_forwards=self.ahead, branches=self.branches, seconds_jit=self.seconds_jit,
+            seconds_waiting=self.seconds_waiting, seconds_jit_avoided=per_jit_forward * (proposed - self.jit),
+            draft_forward_seconds=self.draft_s, target_forward_seconds=self.target_s,
+            modelled_seconds_sd=rounds * self.target_s + proposed * self.draft_s,
+            modelled_seconds_ssd=self.modelled_ssd, threaded=threaded)  # avoided: drafts not drafted just in time
 
 
 def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args, costs, generator,
@@ -334,12 +331,7 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
     ahead_forwards, times ({"jit", "verify", "ahead"}: (start, end) seconds into the run or
     None), target_cache, draft_cache.
 
-    Returns (new ids, stats): speculative_generate's keys, with draft_forwards = jit_forwards +
-    ahead_forwards, and SsdTally's: hit_rate (hits / lookups; a lookup is made after every round
-    that a round with drafts follows), hits and lookups per accepted count, branches, seconds_jit,
-    seconds_waiting, seconds_jit_avoided (hits' drafts times the measured seconds per just-in-time
-    draft forward), seconds_hidden (avoided minus waiting: negative when the run-ahead outlasts
-    verification), the forward costs, modelled_seconds_sd / _ssd, modelled_speedup, threaded.
+    Returns (new ids, tally.SsdDecoded).
     """
     warp_args = (temperature, top_k, top_p)
     fan_out, n_new, costs, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out,
@@ -385,4 +377,4 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
             speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, tally)
     finally:
         overlap.close()
-    return out, tally.stats(out, device, threaded)
+    return out, tally.result(out, device, threaded)

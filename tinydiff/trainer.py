@@ -94,9 +94,9 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
         return f"(none: a block of {block} does not fit after the prompt in a context of {model.config.context})"
     if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
         decode, chain = (dflash_generate, {}) if kind == "dflash" else (eagle_generate, {"k": 4})
-        ids, stats = decode(model.target, model, prompt, n, stop_token=None, **chain)
+        ids, result = decode(model.target, model, prompt, n, stop_token=None, **chain)
         model.train()
-        return f"tau {stats['tau']:.2f} (accepted {stats['accepted']}): Once upon a time{tokenizer.decode(ids)}"
+        return f"tau {result.tau:.2f} (accepted {result.accepted}): Once upon a time{tokenizer.decode(ids)}"
     generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
     if block:  # sampled as it was trained: block by block
         n -= n % block

@@ -22,17 +22,17 @@ from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 def run_ar(models, prompt, args, generator):
     """Plain KV-cached decoding with the target: one forward per token."""
-    ids, stats = ar_generate(models["target"], prompt, args.new_tokens, args.temperature,
-                             generator=generator, stop_token=None)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
+    ids, result = ar_generate(models["target"], prompt, args.new_tokens, args.temperature,
+                              generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
 
 def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
     """The diffusion LM fills a canvas of new_tokens MASKs in blocks of 32."""
     n = args.new_tokens
-    ids, stats = sampler(models["mdlm"], prompt, n, n, min(32, n), args.temperature,
-                         generator=generator, **options)
-    return {"new_tokens": len(ids), "seconds": stats["seconds"], "target_forwards": stats["forwards"]}
+    ids, result = sampler(models["mdlm"], prompt, n, n, min(32, n), args.temperature,
+                          generator=generator, **options)
+    return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
 
 def run_distilled(models, prompt, args, generator, **rule):
@@ -42,21 +42,21 @@ def run_distilled(models, prompt, args, generator, **rule):
 
 def run_spec(models, prompt, args, generator, k):
     """The draft proposes k tokens, the target verifies them in one forward."""
-    ids, stats = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
-                                      args.temperature, generator=generator, stop_token=None)
-    return {**chain_counts(ids, stats), "draft_seconds": stats["draft_seconds"], "verify_seconds": stats["verify_seconds"]}
+    ids, result = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
+                                       args.temperature, generator=generator, stop_token=None)
+    return {**chain_counts(ids, result), "draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
 
 
-def chain_counts(ids, stats):
+def chain_counts(ids, result):
     """What the bench sums for a chain-drafting method."""
-    keep = ("seconds", "target_forwards", "accepted", "proposed", "rejected")
-    return {"new_tokens": len(ids), **{key: stats[key] for key in keep}}
+    return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards,
+            "accepted": result.accepted, "proposed": result.proposed, "rejected": result.rejected}
 
 
-def tree_counts(ids, stats):
+def tree_counts(ids, result):
     """What the bench sums for a tree-drafting method: nodes verified instead of drafts judged."""
-    keep = ("seconds", "target_forwards", "accepted", "rounds")
-    return {"new_tokens": len(ids), "nodes": stats["proposed"], **{key: stats[key] for key in keep}}
+    return {"new_tokens": len(ids), "nodes": result.proposed, "seconds": result.seconds,
+            "target_forwards": result.forwards, "accepted": result.accepted, "rounds": result.rounds}
 
 
 def run_ssd(models, prompt, args, generator, fan_out, k=4):
@@ -65,34 +65,34 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
     if args.device == "cpu":
         torch.set_num_threads(1)  # the draft's thread and the target's each get a core, as in generate.py
     try:
-        ids, stats = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
-                                  args.temperature, generator=generator, stop_token=None, threaded=True,
-                                  costs=args.forward_costs)
+        ids, result = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
+                                   args.temperature, generator=generator, stop_token=None, threaded=True,
+                                   costs=args.forward_costs)
     finally:
         torch.set_num_threads(threads)
-    keep = ("hits", "lookups", "modelled_seconds_sd", "modelled_seconds_ssd")
-    return {**chain_counts(ids, stats), **{key: stats[key] for key in keep}}
+    return {**chain_counts(ids, result), "hits": result.hits, "lookups": result.lookups,
+            "modelled_seconds_sd": result.modelled_seconds_sd, "modelled_seconds_ssd": result.modelled_seconds_ssd}
 
 
 def run_dflash(models, prompt, args, generator, block_size):
     """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies."""
-    ids, stats = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
-                                 args.temperature, generator=generator, stop_token=None)
-    return chain_counts(ids, stats)
+    ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
+                                  args.temperature, generator=generator, stop_token=None)
+    return chain_counts(ids, result)
 
 
 def run_ddtree(models, prompt, args, generator, budget):
     """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward."""
-    ids, stats = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
-                                 args.temperature, generator=generator, stop_token=None)
-    return tree_counts(ids, stats)
+    ids, result = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
+                                  args.temperature, generator=generator, stop_token=None)
+    return tree_counts(ids, result)
 
 
 def run_eagle(models, prompt, args, generator, k, budget=None):
     """The EAGLE-3 head drafts a chain of k tokens, or a tree of `budget` nodes k deep, 4 wide."""
-    ids, stats = eagle_generate(models["target"], models["eagle"], prompt, args.new_tokens, k, budget, 4,
-                                args.temperature, generator=generator, stop_token=None)
-    return chain_counts(ids, stats) if budget is None else tree_counts(ids, stats)
+    ids, result = eagle_generate(models["target"], models["eagle"], prompt, args.new_tokens, k, budget, 4,
+                                 args.temperature, generator=generator, stop_token=None)
+    return chain_counts(ids, result) if budget is None else tree_counts(ids, result)
 
 
 def run_dmoe(models, prompt, args, generator, routing):

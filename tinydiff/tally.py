@@ -1,0 +1,133 @@
+"""What a decode loop counts, and the typed result it returns beside its tokens.
+
+Every decoder returns (new ids, result). `Decoded` is what all of them report: AR decoding and the
+diffusion samplers. `Speculated` adds what a draft -> verify -> commit loop counts (speculative,
+DFlash, DDTree, EAGLE-3): `accepted` is gpt-fast's accept_counts, and tau and alpha are derived
+from the counts, never stored beside them. `SsdDecoded` adds what SSD's run-ahead counts. A loop
+counts with `Tally.add`, one call per round, and `Tally.result` makes its result. `row()` is the
+flat dict of a result for JSON and the stats line, derived numbers included.
+"""
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decoded:
+    new_tokens: int
+    forwards: int  # forwards of the model whose distribution is sampled (a speculative loop's target)
+    seconds: float  # wall time, after waiting for the GPU
+    DERIVED = ("tokens_per_s", "tokens_per_forward")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forwards
+
+    def row(self) -> dict:
+        return {**{name: getattr(self, name) for name in self.DERIVED}, **asdict(self)}  # the headline first
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speculated(Decoded):
+    accepted: list  # accepted[n]: rounds that accepted n drafts, n = 0..k (forwards = rounds + a prefill)
+    proposed: int  # drafts (tree nodes) proposed over all rounds
+    rejected: int | None  # rounds that rejected a draft (at most one each); None for trees
+    draft_forwards: int
+    draft_seconds: float | None = None  # speculative_generate: time drafting, and verifying (forward + rule)
+    verify_seconds: float | None = None
+    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round")
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """New tokens per round (per verifying forward), the bonus/corrected token included: 1..k+1."""
+        return self.new_tokens / self.rounds
+
+    @property
+    def alpha(self) -> float | None:
+        """Leviathan's acceptance rate: the share of the drafts the target judged that it kept. Drafts
+        after a rejection are never judged; counting them would make alpha fall with k for the same
+        draft. None for trees (no single rate) and where nothing was judged."""
+        kept = sum(n * count for n, count in enumerate(self.accepted))
+        judged = kept + (self.rejected or 0)
+        return kept / judged if self.rejected is not None and judged else None
+
+    @property
+    def nodes_per_round(self) -> float | None:
+        """A tree's proposed nodes per round (None for chains)."""
+        return self.proposed / self.rounds if self.rejected is None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SsdDecoded(Speculated):
+    """draft_forwards = jit_forwards + ahead_forwards (a batched run-ahead forward counts once)."""
+    hits: list  # speculation-cache lookups that hit, per accepted count (a lookup follows every round
+    lookups: list  # that a round with drafts follows)
+    jit_forwards: int  # draft forwards run just in time (a miss, or the first round)
+    ahead_forwards: int  # run-ahead forwards
+    branches: int  # speculations pre-drafted
+    seconds_jit: float
+    seconds_waiting: float  # the main thread waiting for the run-ahead after verification
+    seconds_jit_avoided: float  # hits' drafts times the measured seconds per just-in-time draft forward
+    draft_forward_seconds: float  # the per-forward costs the modelled times price
+    target_forward_seconds: float
+    modelled_seconds_sd: float
+    modelled_seconds_ssd: float
+    threaded: bool
+    DERIVED = Speculated.DERIVED + ("hit_rate", "seconds_hidden", "modelled_speedup")
+
+    @property
+    def hit_rate(self) -> float | None:
+        return sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None
+
+    @property
+    def seconds_hidden(self) -> float:
+        """Negative when the run-ahead outlasts verification."""
+        return self.seconds_jit_avoided - self.seconds_waiting
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        return self.modelled_seconds_sd / self.modelled_seconds_ssd if self.modelled_seconds_ssd else None
+
+
+def elapsed(start: float, device) -> float:
+    """Seconds since `start`, after waiting for the GPU, so they are the wall time of real work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@dataclass
+class Tally:
+    """What every draft/verify loop counts, one `add` per round. A loop that verifies trees passes
+    chain=False: a tree has no single acceptance rate. `start` is when the loop's clock started."""
+    k: int  # the most drafts a round can accept
+    chain: bool = True
+    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
+    proposed: int = 0
+    rejected: int = 0
+    draft_forwards: int = 0
+    hist: list = field(init=False)
+    start: float = field(init=False)
+
+    def __post_init__(self):
+        self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
+
+    def add(self, accepted: int, proposed: int, draft_forwards: int):
+        self.hist[accepted] += 1
+        self.proposed += proposed
+        self.rejected += self.chain and accepted < proposed
+        self.draft_forwards += draft_forwards
+
+    def result(self, out, device, kind=Speculated, **more) -> Speculated:
+        return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
+                    accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
+                    draft_forwards=self.draft_forwards, **more)
