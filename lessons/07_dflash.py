@@ -67,7 +67,7 @@ print(f"   Ids evenly spaced from 1 to L-3 (N = 1: L//2). L = 36, N = 5: {featur
       f" L = 8, N = 2: {feature_layers(8, 2)}.")
 config = DFlashConfig.for_target(target.config, n_layer=1, block_size=B, anchors=16)
 drafter = DFlashDrafter(config, target)
-print(f"   This target has L = {L}: the drafter reads layer(s) {config.feature_layers}, concatenates them "
+print(f"   This target has L = {L}: the drafter reads the outputs of blocks {config.feature_layers} (0-indexed), concatenates them "
       f"(N*D = {config.n_features * config.d_model}),\n   projects them to D = {config.d_model} and normalises: "
       "one context vector per committed position. Every drafter layer")
 print("   turns those vectors into extra keys/values with its own projections; queries come only from the block.")
@@ -127,7 +127,7 @@ with torch.no_grad():
 
     print(f"5. One round by hand after {tok.decode(seq[1:])!r}. The prefill gives the context features;")
     cache = drafter.new_cache()
-    _, hidden = target(torch.tensor([seq[:-1]]), hidden_layers=drafter.config.feature_layers)
+    _, hidden = target(torch.tensor([seq[:-1]]), hidden_layers=drafter.config.taps)
     logits = draft_block(drafter, cache, seq[-1], hidden)  # (B-1, V): ONE drafter forward for the block
     print(f"   the drafter's cache now holds {cache.length} context positions; one forward fills the {B - 1} MASKs.")
     one_round("drafter", next_token_probs(logits, 0, None, None).argmax(-1))  # argmax draft, never MASK

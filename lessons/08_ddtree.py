@@ -71,7 +71,7 @@ with torch.no_grad():
     print(f"\n1. The drafter's one forward after {tok.decode(seq[1:])!r} gives a distribution per depth.")
     if trained:
         cache = drafter.new_cache()
-        _, hidden = target(torch.tensor([seq[:-1]]), hidden_layers=drafter.config.feature_layers)
+        _, hidden = target(torch.tensor([seq[:-1]]), hidden_layers=drafter.config.taps)
         draft_logits = draft_block(drafter, cache, seq[-1], hidden)[:D]  # (D, V)
         print("   Here: the trained drafter's logits for depths 1..4.")
     else:  # an untrained drafter's guesses are flat; stand in for a good one that is wrong once

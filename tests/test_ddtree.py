@@ -58,7 +58,7 @@ def test_tree_logits_equal_a_causal_forward_on_each_path(models64):
     drafter's next context features) are those of prefix + its path read causally (in float64: to
     float64 rounding)."""
     target, drafter = models64
-    layers = drafter.config.feature_layers
+    layers = drafter.config.taps
     g = torch.Generator().manual_seed(3)
     for seq in ([EOT], [EOT, 11, 12, 13, 14, 15]):
         tree = build_tree(torch.randn(5, 6, generator=g) * 2, 20)  # tokens 0..5, several branches
@@ -80,7 +80,7 @@ def test_compaction_leaves_the_cache_of_the_committed_sequence(models64):
     seq = [EOT, 21, 22, 23]
     tree = build_tree(torch.randn(4, 5, generator=g) * 2, 12)
     for node in range(tree.size + 1):
-        _, _, cache = verify_tree(target, seq, tree, drafter.config.feature_layers)
+        _, _, cache = verify_tree(target, seq, tree, drafter.config.taps)
         path = tree.path(node)
         compact_cache(cache, len(seq) - 1, path)
         committed = seq + list(prefix_of(tree, node))
@@ -191,7 +191,7 @@ def test_caches_hold_exactly_the_committed_context_after_every_round(models64, s
         assert tc.length == dc.length == len(seq) - 1
         fresh_t, fresh_d = target.new_cache(), drafter.new_cache()
         _, hidden = target(torch.tensor([seq[:-1]]), cache=fresh_t, causal=True,
-                           hidden_layers=drafter.config.feature_layers)
+                           hidden_layers=drafter.config.taps)
         drafter.extend(fresh_d, hidden)
         assert_caches_equal((tc, fresh_t), (dc, fresh_d))
         full = info["tree"].size > 0 and info["accepted"] == int(info["tree"].depths.max())
@@ -288,7 +288,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     # would be all siblings at depth 1: sharpen them (logits x 4) so that trees grow deep and branch.
     drafter.register_forward_hook(lambda module, args, logits: logits * 4)
     probs = exact_joint(model, temperature, top_k, top_p)  # (V^NEW,)
-    target = TreeTableTarget(model, drafter.config.feature_layers)
+    target = TreeTableTarget(model, drafter.config.taps)
     rounds = []
 
     def on_round(info):

@@ -89,9 +89,53 @@ def test_drafter_borrows_the_target_frozen(models):
     # The checkpoint plan: config as a dict, the drafter's state dict; rebuilt, it drafts the same.
     rebuilt = drafter_from({"config": asdict(drafter.config), "model": drafter.state_dict()}, target)
     cache_a, cache_b = drafter.new_cache(), rebuilt.new_cache()
-    _, hidden = target(torch.tensor([[1, 2, 3]]), causal=True, hidden_layers=drafter.config.feature_layers)
+    _, hidden = target(torch.tensor([[1, 2, 3]]), causal=True, hidden_layers=drafter.config.taps)
     with torch.no_grad():
         assert torch.equal(draft_block(drafter, cache_a, 4, hidden), draft_block(rebuilt, cache_b, 4, hidden))
+
+
+@torch.no_grad()
+def test_a_feature_layer_id_is_the_output_of_that_0_indexed_block(models):
+    """docs/DESIGN.md's rule (z-lab/dflash reads hidden_states[id + 1]): id i reads what target block
+    i writes. Hooks catch the blocks' outputs and the drafter's projection input in one decode."""
+    target, drafter = models
+    ids = drafter.config.feature_layers
+    assert ids == [1, 2] and drafter.config.feature_ids == "block_output"
+    outputs, seen = {}, []
+
+    def keep_first(i):
+        def hook(module, args, out):  # returns None: a hook that returns a value replaces the output
+            outputs.setdefault(i, out)
+        return hook
+
+    hooks = [target.blocks[i].register_forward_hook(keep_first(i)) for i in ids]
+    hooks.append(drafter.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0])))
+    try:
+        dflash_generate(target, drafter, [EOT, 11, 12, 13], 2, temperature=0, stop_token=None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(seen[0], torch.cat([outputs[i] for i in ids], -1))  # the prefill's features
+
+
+@torch.no_grad()
+def test_a_drafter_saved_before_feature_ids_keeps_reading_its_layers(models):
+    """A checkpoint without the field meant "after i blocks": it loads with that meaning recorded and
+    reads exactly the hidden states it was trained on; a new config's ids read one block later."""
+    target, _ = models
+    old = random_drafter(target, seed=1, n_layer=1, block_size=8, n_features=2, feature_ids="after_blocks")
+    stored = {key: value for key, value in asdict(old.config).items() if key != "feature_ids"}
+    rebuilt = drafter_from({"config": stored, "model": old.state_dict()}, target)
+    assert rebuilt.config.feature_ids == "after_blocks" and rebuilt.config.taps == old.config.feature_layers
+    new = DFlashConfig.for_target(target.config, n_features=2)
+    assert new.feature_layers == old.config.feature_layers and new.taps == [i + 1 for i in new.feature_layers]
+    prompt = [EOT, 11, 12, 13]
+    assert dflash_generate(target, rebuilt, prompt, 12, temperature=0, stop_token=None)[0] == \
+        dflash_generate(target, old, prompt, 12, temperature=0, stop_token=None)[0]
+    for bad, message in (({"feature_ids": "after"}, "feature_ids"), ({"feature_layers": [1, 5]}, "<= 4, got 5")):
+        with pytest.raises(UserError, match=message):
+            DFlashConfig.for_target(target.config, **bad)
+    assert DFlashConfig.for_target(target.config, feature_layers=[1, 5], feature_ids="after_blocks").taps == [1, 5]
 
 
 @torch.no_grad()
@@ -125,7 +169,7 @@ def test_packed_training_forward_equals_the_inference_path(models64):
     packed = packed_logits(drafter, windows, anchors)  # (2, 4, B-1, V)
     for b, j in itertools.product(range(2), range(4)):
         a = int(anchors[b, j])
-        _, hidden = target(windows[b:b + 1, :a], causal=True, hidden_layers=drafter.config.feature_layers)
+        _, hidden = target(windows[b:b + 1, :a], causal=True, hidden_layers=drafter.config.taps)
         alone = draft_block(drafter, drafter.new_cache(), int(windows[b, a]), hidden)  # (B-1, V)
         assert_same(packed[b, j], alone)
     mask = training_mask(anchors, B, T)[0]  # rows of block j: context before its anchor, and itself
@@ -158,7 +202,7 @@ def test_loss_labels_weights_and_anchors(models64):
     total, first = 0.0, 0.0
     for b, a in itertools.product(range(3), range(5)):
         a = int(anchors[b, a])
-        _, hidden = target(windows[b:b + 1, :a], causal=True, hidden_layers=drafter.config.feature_layers)
+        _, hidden = target(windows[b:b + 1, :a], causal=True, hidden_layers=drafter.config.taps)
         logits = draft_block(drafter, drafter.new_cache(), int(windows[b, a]), hidden)  # (B-1, V)
         logits[:, MASK] = float("-inf")  # never a label: the loss leaves it out, as inference does
         ce = F.cross_entropy(logits, windows[b, a + 1:a + B], reduction="none")  # slot k -> token a + k
@@ -251,7 +295,7 @@ def test_caches_hold_exactly_the_committed_context_after_every_round(models64):
     """After every round both caches hold the committed tokens but the newest: the target's K/V and the
     drafter's context K/V equal a recomputation from scratch over seq[:-1], to float64 rounding."""
     target, drafter = models64
-    layers = drafter.config.feature_layers
+    layers = drafter.config.taps
     checked = {"full": 0, "partial": 0, "stopped": 0}
     current = {}  # the drafter of the run being checked
 
@@ -344,7 +388,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     oracle = Oracle(drafter, target) if use_oracle else None
     probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
     if table:
-        target = TableTarget(target, drafter.config.feature_layers)
+        target = TableTarget(target, drafter.config.taps)
     counts, hist = sample_counts(lambda generator: dflash_generate(
         target, drafter, PROMPT, NEW, None, temperature, top_k, top_p, generator, stop_token=None, rule=rule,
         on_round=oracle and oracle.on_round), n, oracle, seed=1234)

@@ -221,9 +221,9 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     common = ["--model", "dflash", "--target", str(tmp_path / "target.pt"), "--block-size", "4", "--regenerate", "3",
               "--data", str(story_file), "--batch-size", "2", "--max-steps", "4", "--warmup", "1",
               "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2", "--device", "cpu"]
-    train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "full")])
+    train.main([*common, "--feature-layers", "0,1", "--out", str(tmp_path / "full")])
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt.pt")
-    assert ckpt["kind"] == "dflash" and ckpt["config"]["block_size"] == 4 and ckpt["config"]["feature_layers"] == [0, 2]
+    assert ckpt["kind"] == "dflash" and ckpt["config"]["block_size"] == 4 and ckpt["config"]["feature_layers"] == [0, 1]
     assert not any(k.startswith(("embed", "blocks")) and k in before for k in ckpt["model"])  # drafter weights only
     target_after = load_checkpoint(tmp_path / "target.pt")["model"]
     assert all(torch.equal(before[k], target_after[k]) for k in before)  # the target stayed frozen
@@ -233,7 +233,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert val_text and val_text != (tmp_path / "full" / "regenerated.u16").read_bytes()
 
     interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    train.main([*common, "--feature-layers", "0,2", "--out", str(tmp_path / "cut")])
+    train.main([*common, "--feature-layers", "0,1", "--out", str(tmp_path / "cut")])
     monkeypatch.undo()
     cut = torch.load(tmp_path / "cut" / "ckpt.pt", weights_only=True)
     for key in ("feature_layers", "drafter_layers", "openings"):  # as a checkpoint written before these flags
@@ -243,7 +243,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     assert_same_weights(final_weights(tmp_path / "cut"), ckpt["model"])
     with pytest.raises(UserError, match="needs --target"):
         train.main(["--model", "dflash", "--data", str(story_file), "--out", str(tmp_path / "x")])
-    with pytest.raises(UserError, match=r"feature layer id must be an integer >= 0 and <= 2, got 9"):
+    with pytest.raises(UserError, match=r"feature layer id must be an integer >= 0 and <= 1, got 9"):
         train.main([*common, "--feature-layers", "1,9", "--out", str(tmp_path / "x")])
     train.main([*common, "--drafter-layers", "2", "--max-steps", "1", "--out", str(tmp_path / "two")])
     assert load_checkpoint(tmp_path / "two" / "ckpt.pt")["config"]["n_layer"] == 2
@@ -255,7 +255,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     with pytest.raises(UserError, match="--openings picks where --regenerate's stories start"):
         train.main(argv(story_file, tmp_path / "w", "--openings", "target"))
     # --init: a new run (fresh optimizer and schedule) that starts from a trained drafter's weights
-    continued = [*common, "--feature-layers", "0,2", "--init", str(full / "ckpt.pt"), "--max-steps", "1"]
+    continued = [*common, "--feature-layers", "0,1", "--init", str(full / "ckpt.pt"), "--max-steps", "1"]
     train.main([*continued, "--lr", "1e-12", "--min-lr", "1e-12", "--out", str(tmp_path / "more")])
     more = load_checkpoint(tmp_path / "more" / "ckpt.pt")
     assert more["step"] == 1 and more["config"] == ckpt["config"]

@@ -196,7 +196,7 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
         raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
     B = check_drafter(target, drafter, block_size)
-    warp_args, layers = (temperature, top_k, top_p), drafter.config.feature_layers
+    warp_args, layers = (temperature, top_k, top_p), drafter.config.taps
     device, context = target.embed.weight.device, target.config.context
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []

@@ -42,13 +42,15 @@ from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rop
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 PUBLISHED_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}  # block size B -> loss decay g (the paper's choices)
+FEATURE_IDS = ("block_output", "after_blocks")
 
 
 def feature_layers(n_layer: int, n: int) -> list[int]:
     """Target layer ids to read: N evenly spaced from 1 to L-3 (rounded); N = 1 gives [L // 2].
 
-    Id i is the residual stream after target block i (0 = the embeddings), as in
-    `Transformer.forward(hidden_layers=)`. L = 36, N = 5 -> [1, 9, 17, 25, 33]; L = 8, N = 2 -> [1, 5].
+    Id i is the output of 0-indexed target block i, the paper's meaning (Hugging Face's
+    hidden_states[i + 1]; `DFlashConfig.taps` turns ids into `Transformer.forward(hidden_layers=)`'s).
+    L = 36, N = 5 -> [1, 9, 17, 25, 33]; L = 8, N = 2 -> [1, 5].
     """
     if n_layer < 1 or n < 1:
         raise UserError(f"need a target of >= 1 layer and >= 1 feature layer, got L={n_layer}, N={n}")
@@ -75,7 +77,10 @@ class DFlashConfig:
     n_layer: int = 1                # drafter Transformer layers (1-2 at our scale)
     block_size: int = 16            # B: slot 0 = last committed token, slots 1..B-1 = MASK to fill
     n_features: int = 5             # N: target layers read (capped at L-3, or 1); the paper uses 5
-    feature_layers: list | None = None  # their ids (after target block i); None: feature_layers(L, N)
+    feature_layers: list | None = None  # their ids; None: feature_layers(L, N)
+    feature_ids: str = "block_output"   # what id i means: the output of block i (0-indexed, the paper's),
+    #                                     or "after_blocks": after i blocks, 0 = the embeddings (what
+    #                                     drafters saved before this field meant; they keep that meaning)
     loss_decay: float | None = None  # g in exp(-(k-1)/g); None: 7 for B=16, 5 for 10, 4 for 8, else interpolated
     anchors: int = 32               # training: most random blocks per sequence (at most T - B)
     # The target's dimensions: the drafter must be used with a target that matches them.
@@ -95,9 +100,16 @@ class DFlashConfig:
             self.feature_layers = feature_layers(self.target_layers, self.n_features)
         if self.loss_decay is None:
             self.loss_decay = default_decay(self.block_size)
-        check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE,
-                                    "loss_decay": POSITIVE}, "DFlash config")
+        if self.feature_ids not in FEATURE_IDS:
+            raise UserError(f"DFlash config feature_ids must be one of {', '.join(FEATURE_IDS)}, got {self.feature_ids!r}")
+        top = self.target_layers - (self.feature_ids == "block_output")  # the last block's output, or after it
+        check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE, "loss_decay": POSITIVE}, "DFlash config", top)
         self.n_features = len(self.feature_layers)
+
+    @property
+    def taps(self) -> list[int]:
+        """The feature layers as `Transformer.forward(hidden_layers=)` counts them (after i blocks)."""
+        return [i + 1 for i in self.feature_layers] if self.feature_ids == "block_output" else list(self.feature_layers)
 
     @classmethod
     def for_target(cls, target_config: ModelConfig, **overrides) -> "DFlashConfig":
@@ -126,8 +138,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(D, config.norm_eps)
         # The MASK slots' input: a vector of our own, not the target's MASK row. An AR target with a
         # tied head trains that row only as an output that must never win, which makes it a poor
-        # input (measured on out/ar-tiny: initial loss 54 instead of 16, and 0.45 nats worse after
-        # 150 steps). It also lets MASK = 50257 mark the slots in any vocabulary, even V = 6.
+        # input (docs/LOG.md, "DFlash's MASK input"). It also lets MASK = 50257 mark the slots in any
+        # vocabulary, even V = 6.
         self.mask_embed = nn.Parameter(torch.zeros(D))
         # Blocks near the end of the context reach past it (their drafts are cut, not their input).
         cos, sin = rope_table(config.context + config.block_size, D // H, config.rope_base)
@@ -225,7 +237,7 @@ def packed_logits(drafter: DFlashDrafter, windows, anchors):
     cfg, (Bw, T), A = drafter.config, windows.shape, anchors.shape[1]
     B = cfg.block_size
     with torch.no_grad():
-        _, hidden = drafter.target(windows, causal=True, hidden_layers=cfg.feature_layers)
+        _, hidden = drafter.target(windows, causal=True, hidden_layers=cfg.taps)
     kv = drafter.context_kv(drafter.features(hidden), torch.arange(T, device=windows.device))
     pos = (anchors[..., None] + torch.arange(B, device=windows.device)).flatten(1)  # (Bw, A*B)
     block = windows.gather(1, pos).view(Bw, A, B)
@@ -275,5 +287,7 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
 
 
 def drafter_from(ckpt: dict, target: Transformer, path="checkpoint") -> DFlashDrafter:
-    """Rebuild a drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`."""
-    return rebuild_around(target, ckpt, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)
+    """Rebuild a drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`.
+    A config from before `feature_ids` existed read its ids after that many blocks: it keeps reading them so."""
+    stored = {**ckpt, "config": {"feature_ids": "after_blocks", **ckpt["config"]}}
+    return rebuild_around(target, stored, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)

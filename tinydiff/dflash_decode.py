@@ -97,7 +97,7 @@ def prefill_caches(target, drafter, prompt, target_cache, draft_cache) -> int:
     if len(prompt) < 2:
         return 0
     x = torch.tensor([prompt[:-1]], device=target.embed.weight.device)
-    _, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.feature_layers)
+    _, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)
     drafter.extend(draft_cache, hidden)
     return 1
 
@@ -122,7 +122,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
         raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
     B = check_drafter(target, drafter, block_size)
-    warp_args, layers = (temperature, top_k, top_p), drafter.config.feature_layers
+    warp_args, layers = (temperature, top_k, top_p), drafter.config.taps
     device = target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []

@@ -18,12 +18,13 @@ TARGET_RULES = {**{key: RULES[key] for key in ("vocab_size", "context", "d_model
                                                "norm_eps")}, "target_layers": RULES["n_layer"]}
 
 
-def check_drafter_config(config, rules: dict, what: str):
-    """A drafter config's own fields (`rules`), the target's dimensions, and its feature layer ids."""
+def check_drafter_config(config, rules: dict, what: str, top_layer: int | None = None):
+    """A drafter config's own fields (`rules`), the target's dimensions, and its feature layer ids
+    (0..top_layer, default 0..the target's layer count)."""
     check_fields(config, {**TARGET_RULES, **rules}, what)
     if not isinstance(config.feature_layers, (list, tuple)):
         raise UserError(f"{what} feature_layers must be a list of layer ids, got {config.feature_layers!r}")
-    layer = Rule(integer=True, lo=0, hi=config.target_layers)
+    layer = Rule(integer=True, lo=0, hi=config.target_layers if top_layer is None else top_layer)
     config.feature_layers = [layer.check(f"{what} feature layer id", i) for i in config.feature_layers]
 
 

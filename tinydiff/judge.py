@@ -3,8 +3,8 @@
   gen_ppl     exp(mean NLL per token) of the samples under an AR "judge" model: lower = more
               like the judge's idea of TinyStories. Repeating one phrase also scores low, so
   distinct_2  unique bigrams / all bigrams over the samples sits beside it (1.0 = no repeats).
-The perplexity comes with a 95% percentile-bootstrap interval over whole samples: at 64 samples of
-a small model it spans about -7..+9%, so telling two models 5% apart takes several hundred samples.
+The perplexity comes with a 95% percentile-bootstrap interval over whole samples: at 64 samples it
+is wide (docs/LOG.md), so telling two models 5% apart takes several hundred samples.
 A story ends at its first EOT (kept, so stopping is judged too). `sample_and_judge` is the loop
 every quality number here comes from: N stories from seeds 0..N-1, one torch.Generator each.
 Leaves out: MAUVE, human judgement, an external judge model (ours is the project's AR model).

@@ -9,7 +9,7 @@ stories. `sampled_openings=True` lets the target sample each opening instead (te
 EOT) and continue it greedily: as many distinct story starts as stories, from the target's own
 distribution. Validation keeps the corpus's openings, which is what the drafter is judged on.
 A small target's greedy stories mostly end in a loop that repeats one sentence up to the context
-(73% of the tokens of the `tiny` target's 6,000 stories). A drafter copies a loop after one turn
+(most of their tokens: docs/LOG.md). A drafter copies a loop after one turn
 of it, so `trim_loops` cuts each story a few tokens past its first repeated n-gram: training then
 spends its anchors on the text before the loop, where drafts fail.
 Leaves out: sampled continuations at several temperatures, mixing regenerated and real text.

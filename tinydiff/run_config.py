@@ -34,7 +34,7 @@ MIN_RATE = Rule(lo=0, hi=10)
 CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
 # Counts whose every unit is memory held at once: the batch, the validation windows, the stories written.
 BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**6))
-LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target layer (0: the embeddings); the target bounds it further
+LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target block, 0-indexed (its output); the target bounds it further
 layer_ids = number_list(LAYER_ID)  # '1,2,4' -> [1, 2, 4]
 
 
@@ -78,8 +78,9 @@ class RunConfig:
     steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
                                          type=DEPTH)
-    feature_layers: list[int] | None = setting(None, "dflash: target layers to read, e.g. 1,2,4 (default: the "
-                                               "paper's rule, N = min(5, L-3))", "drafter", type=layer_ids)
+    feature_layers: list[int] | None = setting(None, "dflash: target blocks whose outputs to read (0-indexed, the "
+                                               "paper's ids), e.g. 1,2,4 (default: the paper's rule, "
+                                               "N = min(5, L-3))", "drafter", type=layer_ids)
     distill: str | None = setting(None, "train a student, from this diffusion LM's weights, on the stories it "
                                   "writes one token per step, to be sure of several tokens per forward", "distill",
                                   metavar="TEACHER_CKPT")

@@ -96,8 +96,8 @@ def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int | Non
     """The kernel: q (B, H, T, d), k, v (B, H, S, d), mask as in `broadcast_mask` -> (B, H, T, d).
 
     block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 128 for
-    16-bit inputs (on an H200 at head dim 32 the fastest tile in every case of `python -m
-    tinydiff.kernels.bench --sweep`) and 64 for float32 (the fastest there for tree verification).
+    16-bit inputs and 64 for float32: the fastest tiles of `python -m tinydiff.kernels.bench
+    --sweep` on an H200 (docs/LOG.md).
 
     precision: "ieee" (exact float32 products, the default) or "tf32" (faster float32 on a GPU).
     """

@@ -144,9 +144,8 @@ def sampler_step_triton(logits, temperature: float, uniforms=None, block_v: int 
 
     block_v: vocabulary ids per chunk (a power of 2). split: programs per row, each walking one
     slice of the vocabulary (default: as many as give every multiprocessor of a GPU at most one
-    program, 1 on CPU); a second, tiny kernel combines the slices. On an H200, for a 32-token
-    block, 2048 ids x 4 slices took 0.013 ms at T = 0 where 4 programs per multiprocessor took 0.021
-    (each program ends in reductions over its 2048 lanes: fewer, longer programs won).
+    program, 1 on CPU); a second, tiny kernel combines the slices. Each program ends in reductions
+    over its lanes, so fewer, longer programs win (timed on an H200: docs/LOG.md).
     """
     check_inputs(logits, temperature, uniforms)
     check_device(_sampler_step_kernel, logits)
