@@ -40,7 +40,7 @@ torch.manual_seed(args.seed)
 torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
 generator = torch.Generator().manual_seed(args.seed)
 V, CONTEXT, NOISE = 16, 48, 0.1
-TARGET_STEPS, HEAD_STEPS = (150, 100) if args.quick else (400, 300)
+TARGET_STEPS, HEAD_STEPS = (150, 100) if args.quick else (300, 200)
 
 print("1. A toy language the target can learn in seconds: 16 token ids, and each token is fixed by the")
 print(f"   two before it (a random table), except that {NOISE:.0%} of tokens are random noise:")
