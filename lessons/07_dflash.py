@@ -67,9 +67,9 @@ print(f"   Ids evenly spaced from 1 to L-3 (N = 1: L//2). L = 36, N = 5: {featur
       f" L = 8, N = 2: {feature_layers(8, 2)}.")
 config = DFlashConfig.for_target(target.config, n_layer=1, block_size=B, anchors=16)
 drafter = DFlashDrafter(config, target)
-print(f"   This target has L = {L}: the drafter reads the outputs of blocks {config.feature_layers} (0-indexed), concatenates them "
-      f"(N*D = {config.n_features * config.d_model}),\n   projects them to D = {config.d_model} and normalises: "
-      "one context vector per committed position. Every drafter layer")
+print(f"   This target has L = {L}: the drafter reads the outputs of blocks {config.feature_layers} (0-indexed), "
+      f"concatenates them (N*D = {config.n_features * config.d_model}),\n   projects them to D = {config.d_model} "
+      "and normalises: one context vector per committed position. Every drafter layer")
 print("   turns those vectors into extra keys/values with its own projections; queries come only from the block.")
 n_own = sum(p.numel() for p in drafter.parameters())
 print(f"   The drafter: {config.n_layer} layer, {n_own:,} parameters of its own; the target's "

@@ -101,7 +101,8 @@ class DFlashConfig:
         if self.loss_decay is None:
             self.loss_decay = default_decay(self.block_size)
         if self.feature_ids not in FEATURE_IDS:
-            raise UserError(f"DFlash config feature_ids must be one of {', '.join(FEATURE_IDS)}, got {self.feature_ids!r}")
+            raise UserError(f"DFlash config feature_ids must be one of {', '.join(FEATURE_IDS)}, "
+                            f"got {self.feature_ids!r}")
         top = self.target_layers - (self.feature_ids == "block_output")  # the last block's output, or after it
         check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE, "loss_decay": POSITIVE}, "DFlash config", top)
         self.n_features = len(self.feature_layers)

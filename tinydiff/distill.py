@@ -322,8 +322,8 @@ def make_loss(config: DistillConfig, teacher=None, anchor=None):
     return distill_loss
 
 
-FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss",
-         "temperature": "teacher_temperature", "order": "teacher_order", "anchor_weight": "anchor_weight"}  # field -> train.py's setting
+FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "loss": "distill_loss",  # field ->
+         "temperature": "teacher_temperature", "order": "teacher_order", "anchor_weight": "anchor_weight"}  # setting
 
 
 def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objective=None):
@@ -338,7 +338,8 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
     val_config = replace(config, stories=max(rows, config.stories // 10))  # the validation batches, or a tenth
     val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
     print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
-          f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, certainty weight {config.certainty_weight:g}"
+          f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, "
+          f"certainty weight {config.certainty_weight:g}"
           + (f", anchor weight {config.anchor_weight:g}" if config.anchor_weight else ""))
     anchor = corpus_anchor(objective, train_tokens, run["batch_size"], teacher.config.context, run["seed"]) \
         if config.anchor_weight else None

@@ -275,15 +275,11 @@ class SsdTally:
         self.hits[n] += hit
 
     def result(self, out, device, threaded: bool) -> SsdDecoded:
-        per_jit_forward = self.seconds_jit / self.jit if self.jit else self.draft_s
-        proposed, rounds = self.rounds.proposed, sum(self.rounds.hist)
         return self.rounds.result(
             out, device, SsdDecoded, hits=list(self.hits), lookups=list(self.lookups), jit_forwards=self.jit,
             ahead_forwards=self.ahead, branches=self.branches, seconds_jit=self.seconds_jit,
-            seconds_waiting=self.seconds_waiting, seconds_jit_avoided=per_jit_forward * (proposed - self.jit),
-            draft_forward_seconds=self.draft_s, target_forward_seconds=self.target_s,
-            modelled_seconds_sd=rounds * self.target_s + proposed * self.draft_s,
-            modelled_seconds_ssd=self.modelled_ssd, threaded=threaded)  # avoided: drafts not drafted just in time
+            seconds_waiting=self.seconds_waiting, draft_forward_seconds=self.draft_s,
+            target_forward_seconds=self.target_s, modelled_seconds_ssd=self.modelled_ssd, threaded=threaded)
 
 
 def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args, costs, generator,

@@ -76,17 +76,28 @@ class SsdDecoded(Speculated):
     branches: int  # speculations pre-drafted
     seconds_jit: float
     seconds_waiting: float  # the main thread waiting for the run-ahead after verification
-    seconds_jit_avoided: float  # hits' drafts times the measured seconds per just-in-time draft forward
     draft_forward_seconds: float  # the per-forward costs the modelled times price
     target_forward_seconds: float
-    modelled_seconds_sd: float
     modelled_seconds_ssd: float
     threaded: bool
-    DERIVED = Speculated.DERIVED + ("hit_rate", "seconds_hidden", "modelled_speedup")
+    DERIVED = Speculated.DERIVED + ("hit_rate", "seconds_jit_avoided", "seconds_hidden", "modelled_seconds_sd",
+                                    "modelled_speedup")
 
     @property
     def hit_rate(self) -> float | None:
         return sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None
+
+    @property
+    def seconds_jit_avoided(self) -> float:
+        """The drafts not drafted just in time (hits) times the measured seconds per such forward."""
+        per_forward = self.seconds_jit / self.jit_forwards if self.jit_forwards else self.draft_forward_seconds
+        return per_forward * (self.proposed - self.jit_forwards)
+
+    @property
+    def modelled_seconds_sd(self) -> float:
+        """Plain speculative decoding's time at the same forward costs: a target forward per round, a
+        draft forward per draft."""
+        return self.rounds * self.target_forward_seconds + self.proposed * self.draft_forward_seconds
 
     @property
     def seconds_hidden(self) -> float:
