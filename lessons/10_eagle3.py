@@ -61,7 +61,7 @@ target = Transformer(ModelConfig(vocab_size=V, context=CONTEXT, n_layer=4, n_hea
 optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3, weight_decay=0.0)
 start = time.perf_counter()
 for step in range(TARGET_STEPS):
-    loss, _ = ar_loss(target, stories(32, CONTEXT + 1))
+    loss, _ = ar_loss(target, stories(16, CONTEXT + 1))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

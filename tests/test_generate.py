@@ -1,4 +1,6 @@
 """Spec: generate.py and the bench as a user runs them: JSON output, and one-line errors."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -7,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import generate
 from tinydiff.bench import table as bench
 from tinydiff.checkpoint import save_checkpoint
+from tinydiff.cli import run_main
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer
 from tinydiff.speculative import expected_tokens_per_round
@@ -17,9 +21,25 @@ from tinydiff.tokenizer import EOT, MASK, Tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args):
+def run_process(*args):
+    """generate.py exactly as a user runs it: a fresh interpreter."""
     return subprocess.run([sys.executable, "generate.py", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
+
+
+def run(*args):
+    """generate.py's entry point in this process, as its `__main__` calls it (run_main: a user mistake
+    becomes one line and an exit status; anything else raises here and fails the test), which saves the
+    interpreter's start (~1.5 s a call). Its status, stdout and stderr, like run_process's."""
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run_main(generate.main, [str(a) for a in args])
+        except SystemExit as e:  # argparse ends a bad command line this way
+            code = e.code
+        finally:
+            torch.set_num_threads(threads)  # SSD's CLI path pins one thread per model
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -29,7 +49,7 @@ def ckpt(tmp_path, tiny_model, tiny_config):
 
 
 def test_json_output(ckpt):
-    res = run("--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 6, "--temperature", 0, "--json")
+    res = run_process("--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 6, "--temperature", 0, "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     tok = Tokenizer()

@@ -50,4 +50,12 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
     if lesson.name == "04_train_mdlm.py":  # the claim: the bound falls
         bounds = [float(b) for b in re.findall(r"held-out bound ([\d.]+)", res.stdout)]
         assert len(bounds) >= 5 and bounds[-1] < bounds[0] - 3
+    if lesson.name == "10_eagle3.py":  # the claim: only the head that practised on its own features keeps drafting
+        heads = re.findall(r"K = (\d): step accuracy ([\d. ]+?) \| tau ([\d.]+) .*output == greedy target: (\w+)",
+                           res.stdout)
+        assert [k for k, *_ in heads] == ["1", "3"] and {same for *_, same in heads} == {"True"}
+        (_, once, tau_once, _), (_, unrolled, tau_unrolled, _) = heads
+        once, unrolled = [float(a) for a in once.split()], [float(a) for a in unrolled.split()]
+        assert once[0] > 0.9 and max(once[1:]) < 0.5 and min(unrolled) > 0.9
+        assert float(tau_unrolled) > float(tau_once) + 1
     assert not list(tmp_path.iterdir())  # and wrote nothing where it was run
