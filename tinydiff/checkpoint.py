@@ -29,6 +29,7 @@ import torch
 from tinydiff.checks import COUNT_OR_NONE
 from tinydiff.errors import UserError
 from tinydiff.files import write_atomic
+from tinydiff.hf_format import read_folder
 from tinydiff.model import ModelConfig
 
 FORMAT = "tinydiff-checkpoint"
@@ -53,10 +54,16 @@ def save_checkpoint(path, *, kind: str, config: ModelConfig, model, **extra):
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
-    """Read and validate a checkpoint; every failure is a UserError that names the file."""
+    """Read and validate a checkpoint (a .pt file, or a folder `python -m tinydiff.export` wrote); every
+    failure is a UserError that names the file."""
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():  # an exported folder (tinydiff/hf_format.py)
+        ckpt = {"format": FORMAT, "version": VERSION, **read_folder(path)}
+        check_contents(ckpt, path)
+        return ckpt
     if path.is_dir():
-        hint = f"pass {path / 'ckpt.pt'}" if (path / "ckpt.pt").is_file() else "pass the ckpt.pt inside a run folder"
+        hint = f"pass {path / 'ckpt.pt'}" if (path / "ckpt.pt").is_file() else \
+            "pass the ckpt.pt inside a run folder, or a folder written by `python -m tinydiff.export`"
         raise UserError(f"checkpoint {path} is a folder; {hint}")
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; pass the ckpt.pt written by train.py (e.g. out/ar-tiny/ckpt.pt)")
