@@ -90,11 +90,13 @@ def test_bad_folders_and_exports_are_one_line(tmp_path):
              "grouped-query attention": lambda d: edit(d, num_key_value_heads=1),
              "another vocabulary": lambda d: edit(d, vocab_size=32000),
              "more layers than weights": lambda d: edit(d, num_hidden_layers=3),
-             "garbage weights": lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64)}
+             "garbage weights": lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64),
+             "an unknown kind": lambda d: ours(d, kind="gpt"), "no layers": lambda d: ours(d, n_layer=0)}
     messages = {"no weights": "has no model.safetensors", "broken JSON": "not valid JSON",
                 "a foreign model": "neither a Llama nor a tinydiff export", "grouped-query attention": "grouped-query",
                 "another vocabulary": "vocabulary of 32,000", "more layers than weights": "missing model.layers.2",
-                "garbage weights": "not a readable safetensors file"}
+                "garbage weights": "not a readable safetensors file", "an unknown kind": "names no model kind",
+                "no layers": "not a model config this code reads"}
     for case, damage in cases.items():
         broken = tmp_path / case.replace(" ", "-")
         broken.mkdir()
@@ -111,6 +113,15 @@ def edit(folder, **fields):
     config = json.loads((folder / "config.json").read_text())
     config.pop("tinydiff")
     (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+def ours(folder, kind=None, **fields):
+    """config.json's tinydiff section with its kind or config `fields` changed."""
+    config = json.loads((folder / "config.json").read_text())
+    section = config["tinydiff"]
+    section["kind"] = kind or section["kind"]
+    section["config"] |= fields
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def test_logits_equal_ours_for_the_target_and_the_draft(tmp_path, transformers):

@@ -15,6 +15,8 @@ can read it without unpickling code:
 Saving goes through tinydiff/files.py's atomic write (a temp file beside it, fsynced, renamed over
 it): a crash mid-save leaves the previous checkpoint intact, and a full disk is one line. Loading
 checks every key's type and the weights' values before anything is built (check_contents).
+A folder written by `python -m tinydiff.export` (or a Llama folder transformers saved) loads into
+the same dict, without the training state (tinydiff/hf_format.py reads it; no pickle involved).
 `StopOnSignal` lets a training loop finish its step and save on Ctrl-C / SIGTERM instead of dying
 mid-step.
 """

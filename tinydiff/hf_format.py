@@ -162,14 +162,17 @@ def read_folder(path) -> dict:
         raise UserError(f"{path / CONFIG}: tinydiff export version {ours.get('version')!r}, this code reads {VERSION}")
     if ours is None and hf.get("model_type") != "llama":
         raise UserError(f"{path / CONFIG}: a {hf.get('model_type')!r} model, neither a Llama nor a tinydiff export")
-    kind = ours["kind"] if ours else "ar"
-    if not isinstance(ours["config"] if ours else {}, dict):
+    kind = ours.get("kind") if ours else "ar"  # an unknown kind: load_checkpoint's check names it
+    if not isinstance(ours.get("config") if ours else {}, dict):
         raise UserError(f"{path / CONFIG}: its tinydiff config is not a JSON object; export the model again")
     if hf.get("model_type") == "llama":
-        try:
-            config = ModelConfig(**ours["config"]) if ours else model_config_of(hf, path)
-        except (TypeError, UserError) as e:
-            raise UserError(f"{path / CONFIG}: not a model config this code reads ({e})") from None
+        if ours is None:
+            config = model_config_of(hf, path)
+        else:
+            try:
+                config = ModelConfig(**ours["config"])
+            except (TypeError, UserError) as e:  # a field this code does not know, a value out of range
+                raise UserError(f"{path / CONFIG}: not a model config this code reads ({e})") from None
         if config.vocab_size != VOCAB_SIZE:
             raise UserError(f"{path}: a vocabulary of {config.vocab_size:,} ids, not the {VOCAB_SIZE:,} of "
                             f"tinydiff's tokenizer (GPT-2's 50,257 and MASK = {MASK}); it cannot read our token ids")
