@@ -7,6 +7,7 @@ import pytest
 
 import generate
 from tinydiff import trainer as train
+from tinydiff import eval as pinned_eval
 from tinydiff import export, quality
 from tinydiff.bench import hf as hf_bench
 from tinydiff.bench import table as bench
@@ -19,7 +20,7 @@ def kernel_bench(argv):  # imported when called: Triton must not load before the
 ENTRY_POINTS = {"python train.py": train.parse_args, "python generate.py": generate.parse_args,
                 "python -m tinydiff.bench": bench.parse_args, "python -m tinydiff.quality": quality.parse_args,
                 "python -m tinydiff.kernels.bench": kernel_bench, "python -m tinydiff.export": export.parse_args,
-                "python -m tinydiff.bench.hf": hf_bench.parse_args}
+                "python -m tinydiff.bench.hf": hf_bench.parse_args, "python -m tinydiff.eval": pinned_eval.parse_args}
 
 
 def parser_of(entry_point, monkeypatch) -> argparse.ArgumentParser:

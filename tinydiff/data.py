@@ -194,7 +194,7 @@ def _tokenise_local(src: Path, data, tok: Tokenizer, temps) -> tuple[int, int]:
     """All stories into temps[0], then its tail (the val stories) moved into temps[1]."""
     with open(temps[0], "wb") as f, tqdm(total=src.stat().st_size, unit="B", unit_scale=True,
                                          desc=f"tokenising {src.name}") as bar:
-        ends = _write_stories(f, tok, _read_stories(src, data, bar))
+        ends = _write_stories(f, tok, read_stories(src, data, bar))
     if not ends:
         raise UserError(f"data file {data} holds no stories; pass a TinyStories-train.txt-format "
                         f"file: stories separated by lines that are exactly {SEPARATOR}")
@@ -209,7 +209,7 @@ def _tokenise_local(src: Path, data, tok: Tokenizer, temps) -> tuple[int, int]:
     return split, ends[-1] - split
 
 
-def _read_stories(src: Path, data, bar):
+def read_stories(src: Path, data, bar):
     """Yield chunks of stripped, non-empty stories, reading one line at a time."""
     chunk, lines, nbytes = [], [], 0
     try:
