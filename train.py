@@ -4,7 +4,7 @@
     python train.py --data ../shared/data/tinystories-sample.txt --max-steps 300
     python train.py --out out/ar-tiny --resume        # continue an interrupted run exactly
 
-AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on CUDA only.
+AdamW with linear warmup and cosine decay, gradient clipping, mixed precision by hardware (--dtype).
 Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
 A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
 drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states.

@@ -7,6 +7,7 @@ can read it without unpickling code:
   config            the ModelConfig as a dict
   model             the state dict
   optimizer         AdamW state (absent in weights-only exports)
+  precision         the training dtype, its gradient scaler's state and the steps it skipped (fp16)
   step              optimizer steps taken
   rng               torch CPU (and CUDA) generator states
   data              where the data stream is: {"seed", "index"} of the next batch, and "tokens",
@@ -101,7 +102,7 @@ def check_contents(ckpt: dict, path):
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in weights.items()):
         raise UserError(f"{path} has no weights (a dict of named tensors): it is damaged; pass another checkpoint")
-    for key in ("args", "optimizer", "rng", "data"):
+    for key in ("args", "optimizer", "rng", "data", "precision"):
         if key in ckpt and not isinstance(ckpt[key], dict):
             raise UserError(f"{path}: its {key} is a {type(ckpt[key]).__name__}, not a dict: it is damaged")
     if "step" in ckpt:

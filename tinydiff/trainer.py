@@ -1,7 +1,8 @@
 """train.py's program: the run's settings from the flags or the checkpoint, the model, the data
 (corpus windows, the target's regenerated stories, or a teacher's trajectories), and the loop.
 
-AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on CUDA only.
+AdamW with linear warmup and cosine decay, gradient clipping, mixed precision by hardware
+(tinydiff/precision.py: bf16 where the GPU has bf16 units, fp16 with a gradient scaler where not).
 Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
 A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
 drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states. Progress bars
@@ -9,7 +10,7 @@ come from tinydiff.progress, so a tool running several trainings (the report) ca
 """
 import math
 import time
-from contextlib import closing, nullcontext
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from tinydiff.eagle import eagle_loss
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.files import check_run_folder, claim_run_folder
+from tinydiff.precision import DTYPES, MixedPrecision, choose_dtype
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, flag, given_settings, migrate, new_run
 from tinydiff.run_model import build_model, load_target
@@ -48,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
     p.add_argument("--ckpt-every", type=COUNT, default=250, help="checkpoint every N steps")
     add_device(p)
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="training precision (default: the resumed run's own, else auto: bf16 on a GPU with bf16 units, "
+                        "fp16 with a gradient scaler on one without (T4, V100, P100), fp32 on a CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     return p.parse_args(argv)
 
@@ -188,12 +193,14 @@ def training_data(run: dict, model, out: Path, token_paths, device):
     return loss_fn, draw, eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
 
 
-def restore(optimizer, ckpt, out: Path) -> int:
-    """A resumed run's optimizer and RNG states; returns the step to continue from (0 for a new run)."""
+def restore(optimizer, precision, ckpt, out: Path) -> int:
+    """A resumed run's optimizer, gradient-scaler and RNG states; returns the step to continue from (0
+    for a new run)."""
     if ckpt is None:
         return 0
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
+        precision.load_state_dict(ckpt.get("precision", {}))
         torch.set_rng_state(ckpt["rng"]["cpu"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise UserError(f"{out / 'ckpt.pt'}: its optimizer or random-number state does not fit this model "
@@ -211,9 +218,12 @@ INTERRUPTED = ("before training started; what was finished (token caches, the ta
 def main(argv=None):
     args = parse_args(argv)
     run, out, ckpt = run_settings(args)
+    stored = (ckpt or {}).get("precision", {}).get("dtype")  # a resumed run keeps its precision
+    precision = MixedPrecision(choose_dtype(args.dtype or stored or "auto", args.device), args.device)
     torch.manual_seed(run["seed"])
     model = build_model(run, args.device, ckpt, out / "ckpt.pt")
     describe(model, run)
+    print(f"precision: {precision.describe()}")
     with claim_run_folder(out):  # from here on this folder is this run's alone
         if ckpt is None:
             check_new(out)  # another run may have finished here since the first look
@@ -221,24 +231,21 @@ def main(argv=None):
         data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
         loss_fn, draw, val_windows = training_data(run, model, out, token_paths, args.device)
         optimizer = make_optimizer(model, run)
-        step = restore(optimizer, ckpt, out)
-        train_loop(run, model, optimizer, loss_fn, draw, val_windows, step, out, args.ckpt_every, args.device,
-                   data_id)
+        step = restore(optimizer, precision, ckpt, out)
+        train_loop(run, model, optimizer, precision, loss_fn, draw, val_windows, step, out, args.ckpt_every,
+                   args.device, data_id)
 
 
-def train_loop(run: dict, model, optimizer, loss_fn, draw, val_windows, step: int, out: Path, ckpt_every: int,
-               device: str, data_id: str):
+def train_loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out: Path,
+               ckpt_every: int, device: str, data_id: str):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
-    config, tokenizer = model.config, Tokenizer()
-    # bf16 autocast only where the GPU has bf16 units (not a T4: emulated bf16 is slower than fp32).
-    fast_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fast_bf16 else nullcontext()
+    config, tokenizer, autocast = model.config, Tokenizer(), precision.autocast
 
     def save():
         rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         save_checkpoint(out / "ckpt.pt", kind=run["model"], config=config, model=model,
-                        optimizer=optimizer.state_dict(), step=step, rng=rng,
+                        optimizer=optimizer.state_dict(), precision=precision.state_dict(), step=step, rng=rng,
                         data={"seed": run["seed"], "index": step, "tokens": data_id}, args=run)
 
     bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
@@ -257,14 +264,13 @@ def train_loop(run: dict, model, optimizer, loss_fn, draw, val_windows, step: in
             with autocast:
                 loss, _ = loss_fn(model, windows, noise)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run["grad_clip"])
-            optimizer.step()
+            precision.step(loss, optimizer, model.parameters(), run["grad_clip"])
             step += 1
             steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
             tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+            skipped = f" | skipped {precision.skipped}" if precision.scaler is not None else ""  # fp16's inf steps
+            bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
             if step % run["eval_every"] == 0 or step == run["max_steps"]:
                 stats = evaluate(model, loss_fn, val_windows, run["batch_size"], autocast)
                 if "elbo" in stats:  # the bound's exp bounds the perplexity; masked_ce's does not
