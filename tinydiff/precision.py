@@ -52,15 +52,19 @@ class MixedPrecision:
         return {"fp32": "fp32 (no autocast)", "bf16": "bf16 autocast",
                 "fp16": "fp16 autocast with a gradient scaler (skipped steps are counted)"}[self.dtype]
 
-    def step(self, loss, optimizer, parameters, grad_clip: float) -> bool:
-        """Backward, clip to grad_clip, step; True if the scaler skipped the step (inf/NaN gradients)."""
+    def step(self, loss, optimizer, parameters, grad_clip: float, reduce=None) -> bool:
+        """Backward, `reduce(parameters)` (data-parallel ranks average their gradients there), clip to
+        grad_clip, step; True if the scaler skipped the step (inf/NaN gradients)."""
         parameters = list(parameters)
+        reduce = reduce or (lambda _: None)
         if self.scaler is None:
             loss.backward()
+            reduce(parameters)
             torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
             optimizer.step()
             return False
         self.scaler.scale(loss).backward()
+        reduce(parameters)  # before unscaling: every rank then sees the same inf and skips the same step
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
         scale = self.scaler.get_scale()

@@ -10,10 +10,14 @@ come from tinydiff.progress, so a tool running several trainings (the report) ca
 """
 import math
 import time
-from contextlib import closing
+import functools
+import os
+import sys
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tinydiff import progress
 from tinydiff.ar import ar_generate, ar_loss
@@ -25,6 +29,7 @@ from tinydiff.data import eval_windows, load_tokens, prepare_tokens, sample_wind
 from tinydiff.dflash import dflash_loss
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.distill import distill_run
+from tinydiff.distributed import Ranks
 from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.eagle import eagle_loss
 from tinydiff.eagle_decode import eagle_generate
@@ -216,33 +221,51 @@ INTERRUPTED = ("before training started; what was finished (token caches, the ta
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args, ranks = parse_args(argv), Ranks()
     run, out, ckpt = run_settings(args)
+    ranks.check(run)
     stored = (ckpt or {}).get("precision", {}).get("dtype")  # a resumed run keeps its precision
     precision = MixedPrecision(choose_dtype(args.dtype or stored or "auto", args.device), args.device)
-    torch.manual_seed(run["seed"])
-    model = build_model(run, args.device, ckpt, out / "ckpt.pt")
+    device = ranks.start(args.device)
+    quiet = not ranks.main  # rank 0 alone prints, draws bars and writes
+    with open(os.devnull, "w") if quiet else nullcontext(sys.stdout) as stdout, \
+            progress.routed_to(functools.partial(tqdm, disable=True)) if quiet else nullcontext():
+        sys.stdout, before = stdout, sys.stdout
+        try:
+            train(args, ranks, run, out, ckpt, precision, device)
+        finally:
+            sys.stdout = before
+            ranks.stop()
+
+
+def train(args, ranks, run: dict, out: Path, ckpt, precision, device: str):
+    torch.manual_seed(run["seed"])  # every rank builds the same initial weights
+    model = build_model(run, device, ckpt, out / "ckpt.pt")
     describe(model, run)
-    print(f"precision: {precision.describe()}")
-    with claim_run_folder(out):  # from here on this folder is this run's alone
-        if ckpt is None:
+    print(f"precision: {precision.describe()}" + (f" | {ranks.world} ranks" if ranks.world > 1 else ""))
+    with claim_run_folder(out) if ranks.main else nullcontext():  # from here on this folder is this run's alone
+        if ckpt is None and ranks.main:
             check_new(out)  # another run may have finished here since the first look
-        token_paths = prepare_tokens(run["data"], args.cache_dir)
+        with ranks.first():  # rank 0 tokenises; the others then read its cache
+            token_paths = prepare_tokens(run["data"], args.cache_dir)
         data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
-        loss_fn, draw, val_windows = training_data(run, model, out, token_paths, args.device)
+        loss_fn, draw, val_windows = training_data(run, model, out, token_paths, device)
         optimizer = make_optimizer(model, run)
         step = restore(optimizer, precision, ckpt, out)
-        train_loop(run, model, optimizer, precision, loss_fn, draw, val_windows, step, out, args.ckpt_every,
-                   args.device, data_id)
+        train_loop(run, model, optimizer, precision, loss_fn, lambda i: ranks.share(draw(i)), val_windows, step,
+                   out, args.ckpt_every, device, data_id, ranks)
 
 
 def train_loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out: Path,
-               ckpt_every: int, device: str, data_id: str):
+               ckpt_every: int, device: str, data_id: str, ranks=None):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     config, tokenizer, autocast = model.config, Tokenizer(), precision.autocast
+    ranks = ranks or Ranks()
 
     def save():
+        if not ranks.main:
+            return
         rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         save_checkpoint(out / "ckpt.pt", kind=run["model"], config=config, model=model,
                         optimizer=optimizer.state_dict(), precision=precision.state_dict(), step=step, rng=rng,
@@ -264,14 +287,14 @@ def train_loop(run: dict, model, optimizer, precision, loss_fn, draw, val_window
             with autocast:
                 loss, _ = loss_fn(model, windows, noise)
             optimizer.zero_grad(set_to_none=True)
-            precision.step(loss, optimizer, model.parameters(), run["grad_clip"])
+            precision.step(loss, optimizer, model.parameters(), run["grad_clip"], ranks.average_gradients)
             step += 1
             steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
             tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
             bar.update(1)
             skipped = f" | skipped {precision.skipped}" if precision.scaler is not None else ""  # fp16's inf steps
             bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
-            if step % run["eval_every"] == 0 or step == run["max_steps"]:
+            if ranks.main and (step % run["eval_every"] == 0 or step == run["max_steps"]):
                 stats = evaluate(model, loss_fn, val_windows, run["batch_size"], autocast)
                 if "elbo" in stats:  # the bound's exp bounds the perplexity; masked_ce's does not
                     stats["ppl<="] = math.exp(stats["elbo"])
@@ -280,7 +303,7 @@ def train_loop(run: dict, model, optimizer, precision, loss_fn, draw, val_window
                 bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
             if step % ckpt_every == 0 or step == run["max_steps"]:
                 save()
-            if stop.requested:
+            if ranks.anyone(stop.requested):
                 save()
                 bar.close()
                 print(f"interrupted: saved step {step} to {out / 'ckpt.pt'}; continue with "
