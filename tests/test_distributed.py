@@ -12,7 +12,7 @@ from tinydiff.ar import ar_loss
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.kinds import load_model
-from test_train import argv
+from test_train import argv, interrupt_at
 
 
 def free_port() -> int:
@@ -48,6 +48,25 @@ def test_two_ranks_follow_one_process_at_the_same_global_batch(story_file, tmp_p
     diffs = torch.cat([(two["model"][n] - w).abs().flatten() for n, w in one["model"].items()])
     assert (diffs <= 1e-6).float().mean() > 0.9999 and diffs.max() < 1e-4
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [".lock", "ckpt.pt"]  # one writer, no temps
+
+
+def test_a_run_killed_in_one_process_resumes_on_two_ranks(story_file, tmp_path, monkeypatch):
+    """The batch rule does not depend on the number of ranks, so a run continues with any."""
+    train.main(argv(story_file, tmp_path / "full", "--batch-size", "4", kind="ar"))
+
+    def kill():  # dies in step 5: the step-4 checkpoint is what is left
+        raise SystemExit("killed")
+    interrupt_at(monkeypatch, "ar", 5, kill)
+    with pytest.raises(SystemExit):
+        train.main(argv(story_file, tmp_path / "run", "--batch-size", "4", kind="ar"))
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 4
+    mp.spawn(rank_main, args=(2, free_port(), ["--out", str(tmp_path / "run"), "--resume"]), nprocs=2, join=True)
+    ours, theirs = (load_model(tmp_path / name / "ckpt.pt")[0] for name in ("full", "run"))
+    x = torch.randint(0, 50257, (8, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert abs(ar_loss(ours, x)[0].item() - ar_loss(theirs, x)[0].item()) < 1e-6
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 6
 
 
 def test_a_run_that_cannot_split_is_refused_before_any_work(story_file, tmp_path, monkeypatch):
