@@ -66,7 +66,8 @@ def pinned_stories(data: str | None) -> list[str]:
             rows = datasets.load_dataset("roneneldan/TinyStories", split=f"validation[:{STORIES}]")
         except ImportError:
             raise UserError("the default evaluation downloads TinyStories and needs `datasets` (pip install "
-                            "datasets); or pass --data FILE (here: ../shared/data/tinystories-valid-1000.txt)") from None
+                            "datasets); or pass --data FILE (here: ../shared/data/tinystories-valid-1000.txt)"
+                            ) from None
         except Exception as e:  # offline, hub down: all mean "use the local file"
             raise UserError(f"could not download TinyStories' validation split ({type(e).__name__}); pass --data "
                             "FILE (here: ../shared/data/tinystories-valid-1000.txt)") from None

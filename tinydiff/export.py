@@ -56,12 +56,14 @@ def model_card(ckpt: dict, path, layout: str, params: int) -> str:
     shape = ", ".join(f"{k} {v}" for k, v in config.items())
     if layout == "llama":
         load = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(DIR)\ntokenizer = AutoTokenizer.from_pretrained(DIR)\n"
-                "inputs = tokenizer('<|endoftext|>Once upon a time', return_tensors='pt')  # every story starts after EOT\n"
-                "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64, do_sample=True, temperature=0.8)[0]))\n"
-                "```\n\n"
-                f"A Llama in transformers' layout: rotary in halves (tinydiff rotates interleaved pairs; the q and k rows "
-                f"are permuted within each head), `rms_norm_eps` {config['norm_eps']}, the head tied to the embedding.")
+                "model = AutoModelForCausalLM.from_pretrained(DIR)\n"
+                "tokenizer = AutoTokenizer.from_pretrained(DIR)\n"
+                "inputs = tokenizer('<|endoftext|>Once upon a time', return_tensors='pt')  # stories start after EOT\n"
+                "out = model.generate(**inputs, max_new_tokens=64, do_sample=True, temperature=0.8)\n"
+                "print(tokenizer.decode(out[0]))\n```\n\n"
+                f"A Llama in transformers' layout: rotary in halves (tinydiff rotates interleaved pairs; the q and k "
+                f"rows are permuted within each head), `rms_norm_eps` {config['norm_eps']}, the head tied to the "
+                "embedding.")
     else:
         load = (f"No transformers class runs this model ({WHAT[kind]}); tinydiff loads the folder wherever it takes "
                 f"`--ckpt`, e.g. `python generate.py --ckpt DIR` (drafters: `--drafter DIR` beside their target). "

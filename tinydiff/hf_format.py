@@ -71,7 +71,8 @@ def from_llama(weights: dict, config: ModelConfig, path) -> dict:
     rows = torch.argsort(halves(config.n_head, config.d_model // config.n_head))  # the inverse permutation
     head = weights.get("lm_head.weight")
     if head is not None and not torch.equal(head, weights.get("model.embed_tokens.weight", head[:0])):
-        raise UserError(f"{path}: its lm_head is not its embedding; tinydiff models tie them (untied heads are not supported)")
+        raise UserError(f"{path}: its lm_head is not its embedding; tinydiff models tie them (untied heads are "
+                        "not supported)")
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     names |= {f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}"
               for i in range(config.n_layer) for ours, theirs in LAYER_NAMES.items()}
@@ -126,7 +127,8 @@ def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
         config = ModelConfig(**ckpt["config"])
         hf, tensors = llama_config(config) | {"tinydiff": ours}, to_llama(weights, config)
     else:
-        hf, tensors = {"model_type": f"tinydiff-{kind}", "tinydiff": ours}, {n: w.contiguous() for n, w in weights.items()}
+        hf = {"model_type": f"tinydiff-{kind}", "tinydiff": ours}
+        tensors = {name: w.contiguous() for name, w in weights.items()}
     blob = save(tensors, metadata={"format": "pt"})
     write_atomic(out / WEIGHTS, lambda f: f.write(blob))
     files = {CONFIG: json.dumps(hf, indent=2) + "\n", **(extra_files or {})}
