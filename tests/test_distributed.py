@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from tinydiff import trainer as train
 from tinydiff.ar import ar_loss
 from tinydiff.checkpoint import load_checkpoint
+from tinydiff.distributed import Ranks
 from tinydiff.errors import UserError
 from tinydiff.kinds import load_model
 from test_train import argv, interrupt_at
@@ -77,3 +78,7 @@ def test_a_run_that_cannot_split_is_refused_before_any_work(story_file, tmp_path
     with pytest.raises(UserError, match="--regenerate trains in one process only"):
         train.main(argv(story_file, tmp_path / "regen", "--regenerate", "4", "--target", "x.pt", kind="ar"))
     assert not (tmp_path / "odd").exists()
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a second process on a machine with one GPU (here: none)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="more processes on this machine than it has GPUs.*--nproc_per_node=1"):
+        Ranks().start("cuda")

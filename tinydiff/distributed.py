@@ -52,6 +52,9 @@ class Ranks:
         if self.world == 1:
             return device
         cuda = device.startswith("cuda")
+        if cuda and self.local >= torch.cuda.device_count():
+            raise UserError(f"torchrun started more processes on this machine than it has GPUs "
+                            f"({torch.cuda.device_count()}); pass --nproc_per_node={torch.cuda.device_count()}")
         if cuda:
             device = f"cuda:{self.local}"
             torch.cuda.set_device(device)
