@@ -1,7 +1,5 @@
 """Spec: `python -m tinydiff.eval`, the pinned evaluation: deterministic numbers, the AR NLL exact,
 a diffusion LM's bound above its exact NLL, and one-line errors."""
-import contextlib
-import io
 import itertools
 import math
 from dataclasses import asdict
@@ -12,22 +10,17 @@ import torch.nn.functional as F
 
 from tinydiff import eval as pinned
 from tinydiff.checkpoint import save_checkpoint
-from tinydiff.cli import run_main
 from tinydiff.diffusion import subs_logits
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.tokenizer import MASK, Tokenizer
+from entry_points import last_line, run_in_process
 from stats_helpers import random_model
 
 
 def run(*args):
     """(exit status, stdout, last line of stderr) of the entry point, as its __main__ runs it."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = run_main(pinned.main, [str(a) for a in args])
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), (err.getvalue().strip().splitlines() or [""])[-1]
+    res = run_in_process(pinned.main, *args)
+    return res.returncode, res.stdout, last_line(res.stderr)
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ every exported folder loads back into tinydiff with the same tensors.
 The transformers tests need requirements-hf.txt (CI installs it); without transformers they skip,
 and the round trips, which need only safetensors, still run.
 """
-import contextlib
-import io
 import json
 from dataclasses import asdict
 
@@ -15,11 +13,11 @@ import torch
 from tinydiff import export
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint, save_checkpoint
-from tinydiff.cli import run_main
 from tinydiff.kinds import load_model
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
+from entry_points import last_line, run_in_process
 from stats_helpers import perturbed, random_model
 
 TARGET = ModelConfig(context=96, n_layer=2, n_head=2, d_model=32, d_ff=64)
@@ -28,13 +26,8 @@ DRAFT = ModelConfig(context=96, n_layer=1, n_head=2, d_model=16, d_ff=32)
 
 def run(*args):
     """The export's entry point as its __main__ runs it: (status, last line of stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            code = run_main(export.main, [str(a) for a in args])
-        except SystemExit as e:
-            code = e.code
-    return code, (err.getvalue().strip().splitlines() or [""])[-1]
+    res = run_in_process(export.main, *args)
+    return res.returncode, last_line(res.stderr)
 
 
 def exported(tmp_path, name, config=TARGET, seed=0, kind="ar", model=None, **extra):
@@ -182,11 +175,12 @@ def test_the_tokenizer_files_encode_like_tiktoken(tmp_path, transformers, story_
     assert hf.eos_token_id == EOT and hf.convert_tokens_to_ids("<|mask|>") == MASK
 
 
-def test_the_side_by_side_bench_writes_the_same_tokens(tmp_path, transformers, capsys):
+def test_the_side_by_side_bench_writes_the_same_tokens(tmp_path, transformers):
     from tinydiff.bench import hf
     _, target = exported(tmp_path, "target", model=random_model(TARGET, 0))
     _, draft = exported(tmp_path, "draft", model=perturbed(random_model(TARGET, 0), 1, 0.1))
-    assert run_main(hf.main, ["--target", str(target), "--draft", str(tmp_path / "draft.pt"), "--max-new-tokens", "16"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    res = run_in_process(hf.main, "--target", target, "--draft", tmp_path / "draft.pt", "--max-new-tokens", 16)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines()[2:]]
     assert [r[0] for r in rows] == ["greedy", "sample", "spec-k4", "spec-k8"]
     assert all(r[-1] == "True" for r in rows if r[0] != "sample") and all(float(r[1]) > 0 for r in rows)

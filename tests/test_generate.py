@@ -1,6 +1,4 @@
 """Spec: generate.py and the bench as a user runs them: JSON output, and one-line errors."""
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -12,11 +10,11 @@ import torch
 import generate
 from tinydiff.bench import table as bench
 from tinydiff.checkpoint import save_checkpoint
-from tinydiff.cli import run_main
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer
 from tinydiff.speculative import expected_tokens_per_round
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
+from entry_points import run_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,18 +26,8 @@ def run_process(*args):
 
 
 def run(*args):
-    """generate.py's entry point in this process, as its `__main__` calls it (run_main: a user mistake
-    becomes one line and an exit status; anything else raises here and fails the test), which saves the
-    interpreter's start (~1.5 s a call). Its status, stdout and stderr, like run_process's."""
-    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = run_main(generate.main, [str(a) for a in args])
-        except SystemExit as e:  # argparse ends a bad command line this way
-            code = e.code
-        finally:
-            torch.set_num_threads(threads)  # SSD's CLI path pins one thread per model
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    """generate.py's entry point in this process (tests/entry_points.py)."""
+    return run_in_process(generate.main, *args)
 
 
 @pytest.fixture
