@@ -28,10 +28,12 @@ from tinydiff.block_diffusion import diffusion_elbo
 from tinydiff.checks import COUNT, Rule
 from tinydiff.cli import add_device, check_device, make_parser, run_main
 from tinydiff.data import SEPARATOR, read_stories
+from tinydiff.diffusion import scored_tokens
 from tinydiff.errors import UserError
 from tinydiff.files import check_output, write_atomic
 from tinydiff.judge import sample_and_judge
 from tinydiff.kinds import load_model
+from tinydiff.model import wide
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
 
@@ -105,7 +107,8 @@ def score(model, kind: str, windows, mc: int, batch_size: int, tokenizer) -> dic
         for i in range(0, len(windows), batch_size):
             x = windows[i:i + batch_size]
             logits = model(x[:, :-1], causal=True)  # (B, T-1, V)
-            total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+            logits = logits.flatten(0, 1).to(wide(logits.dtype))  # half precisions widened, float64 kept
+            total += F.cross_entropy(logits, x[:, 1:].flatten(), reduction="sum").item()
         nll, stderr = total / scored.numel(), 0.0
     else:
         # The whole set's bound is the token-weighted mean of the batches' bounds; their noise draws are
@@ -115,7 +118,7 @@ def score(model, kind: str, windows, mc: int, batch_size: int, tokenizer) -> dic
         for i in range(0, len(windows), batch_size):
             x = windows[i:i + batch_size]
             part = diffusion_elbo(model, x, mc=mc, generator=generator)
-            weight = (x[:, 1:] if model.config.shift else x).numel() / scored.numel()
+            weight = scored_tokens(model, x) / scored.numel()
             nll, variance = nll + weight * part["bound"], variance + (weight * part["stderr"]) ** 2
         stderr = math.sqrt(variance)
     return {"nll": nll, "stderr": stderr, "bits_per_byte": nll * scored.numel() / (n_bytes * math.log(2)),

@@ -2,19 +2,17 @@
 untrained stand-ins that time the same work), one method's totals over the prompts (`measure`),
 held-out NLL and bits per byte, and the device's name for the tables.
 """
-import math
 import platform
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from tinydiff.bench.methods import MEANS
-from tinydiff.block_diffusion import diffusion_elbo
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
+from tinydiff.eval import score
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
@@ -119,13 +117,7 @@ def heldout_nll(models, args, tokenizer, wanted) -> dict:
         if name.startswith("moe-"):
             set_routing(model, name[len("moe-"):])
         windows = eval_windows(load_tokens(val_path), 16, model.config.context).to(args.device)
-        if name == "target":
-            logits = model(windows[:, :-1], causal=True)
-            nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
-            scored = windows[:, 1:]
-        else:
-            nll = diffusion_elbo(model, windows, mc=4, generator=torch.Generator(args.device).manual_seed(0))["bound"]
-            scored = windows[:, 1:] if model.config.shift else windows  # diffusion.scored_tokens
-        n_bytes = sum(len(tokenizer.decode(row).encode()) for row in scored.tolist())
-        out[name] = (nll, nll * scored.numel() / (n_bytes * math.log(2)))
+        scored = score(model, "ar" if name == "target" else "mdlm", windows, mc=4, batch_size=len(windows),
+                       tokenizer=tokenizer)  # one batch: the 16 windows share the noise draws
+        out[name] = (scored["nll"], scored["bits_per_byte"])
     return out
