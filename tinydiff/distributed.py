@@ -13,7 +13,7 @@ Leaves out: DDP's bucketed overlap of communication with backward (a 13M model's
 small), drafter training and the runs that write stories first (refused in one line).
 """
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -66,9 +66,14 @@ class Ranks:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
+    @contextmanager
     def first(self):
         """A block rank 0 runs before the others (tokenising): they wait at its end, then run it."""
-        return _MainFirst(self) if self.world > 1 else nullcontext()
+        if self.world > 1 and not self.main:
+            dist.barrier()  # rank 0 is inside the block
+        yield
+        if self.world > 1 and self.main:
+            dist.barrier()  # releases the others, who now find rank 0's cache
 
     def share(self, windows):
         """This rank's rows of the global batch (B, T) -> (B / N, T)."""
@@ -94,15 +99,3 @@ class Ranks:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
-
-class _MainFirst:
-    def __init__(self, ranks: Ranks):
-        self.ranks = ranks
-
-    def __enter__(self):
-        if not self.ranks.main:
-            dist.barrier()  # rank 0 is inside the block
-
-    def __exit__(self, *exc):
-        if self.ranks.main and exc[0] is None:
-            dist.barrier()  # releases the others, who now find rank 0's cache

@@ -16,7 +16,7 @@ from pathlib import Path
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.cli import make_parser, run_main
 from tinydiff.errors import UserError
-from tinydiff.hf_format import CONFIG, LLAMA_KINDS, WEIGHTS, write_folder
+from tinydiff.hf_format import CONFIG, LLAMA_KINDS, WEIGHTS, check_layout, write_folder
 from tinydiff.hf_tokenizer import MASK_TOKEN, tokenizer_files
 from tinydiff.kinds import config_from
 from tinydiff.run_config import RunConfig, flag, migrate
@@ -86,9 +86,7 @@ def main(argv=None):
     ckpt = load_checkpoint(args.ckpt)
     kind = ckpt["kind"]
     layout = ("llama" if kind in LLAMA_KINDS else "tinydiff") if args.layout == "auto" else args.layout
-    if layout == "llama" and kind not in LLAMA_KINDS:
-        raise UserError(f"{args.ckpt} holds a {kind} model, which is not a Llama (only an AR model is: causal "
-                        "attention, no MASK); drop --layout llama to export it in tinydiff's layout")
+    check_layout(kind, layout)  # before any file is built
     if kind in LLAMA_KINDS:
         config_from(ckpt, args.ckpt)  # its config is one our Transformer reads, before any file is written
     context = ckpt["config"].get("context", 256)

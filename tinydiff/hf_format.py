@@ -112,14 +112,19 @@ def model_config_of(hf: dict, path) -> ModelConfig:
         raise UserError(f"{path}: {e}") from None
 
 
+def check_layout(kind: str, layout: str):
+    """Only an AR model is a Llama: causal attention, no MASK in play."""
+    if layout == "llama" and kind not in LLAMA_KINDS:
+        raise UserError(f"a {kind} model is not a Llama (only an AR model is: causal attention, no MASK); "
+                        "export it in tinydiff's layout (drop --layout llama)")
+
+
 def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
     """Write a checkpoint's model ({kind, config, model}) as config.json and model.safetensors, and
     `extra_files` ({name: text}), into `out`, each atomically. layout "llama" (AR only) or "tinydiff"."""
     from safetensors.torch import save
     kind, weights = ckpt["kind"], ckpt["model"]
-    if layout == "llama" and kind not in LLAMA_KINDS:
-        raise UserError(f"a {kind} model is not a Llama (only an AR model is: causal attention, no MASK); "
-                        "export it in tinydiff's layout")
+    check_layout(kind, layout)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ours = {"format": FORMAT, "version": VERSION, "kind": kind, "config": ckpt["config"]}

@@ -257,11 +257,10 @@ def train(args, ranks, run: dict, out: Path, ckpt, precision, device: str):
 
 
 def train_loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out: Path,
-               ckpt_every: int, device: str, data_id: str, ranks=None):
+               ckpt_every: int, device: str, data_id: str, ranks: Ranks):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     config, tokenizer, autocast = model.config, Tokenizer(), precision.autocast
-    ranks = ranks or Ranks()
 
     def save():
         if not ranks.main:

@@ -19,7 +19,6 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.bench.measure import PROMPTS, device_name
-from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import COUNT, Rule
 from tinydiff.cli import make_parser, run_main
 from tinydiff.errors import UserError
@@ -47,7 +46,7 @@ def load_pair(path, folder: Path):
     from transformers import AutoModelForCausalLM
     ours, ckpt = load_model(path, kinds=("ar",))
     if not (Path(path) / "config.json").is_file():
-        write_folder(folder, load_checkpoint(path), "llama")
+        write_folder(folder, ckpt, "llama")
         path = folder
     return ours, AutoModelForCausalLM.from_pretrained(path).eval()
 
