@@ -2,7 +2,7 @@
 
 Run: python lessons/13_parallel_decoding.py [--quick] [--teacher CKPT --student CKPT]
 Read next: tinydiff/distill.py (states and loss), tinydiff/sampler.py (threshold and entropy-bound
-commits), tinydiff/curve.py; docs/RESULTS.md has the curve of the real models.
+commits), tinydiff/bench/curve.py; docs/RESULTS.md has the curve of the real models.
 
 A toy language makes the effect visible in seconds: each story is a chain of words where the next
 word is the previous word's successor 70% of the time (any other word otherwise). Given a
@@ -29,7 +29,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
 
 from tinydiff.ar import ar_loss  # noqa: E402
 from tinydiff.kinds import load_model  # noqa: E402
-from tinydiff.curve import agreement, greedy_texts  # noqa: E402
+from tinydiff.bench.curve import agreement, greedy_texts  # noqa: E402
 from tinydiff.diffusion import mdlm_loss, subs_logits  # noqa: E402
 from tinydiff.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402

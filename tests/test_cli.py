@@ -8,7 +8,8 @@ import pytest
 import generate
 from tinydiff import trainer as train
 from tinydiff import eval as pinned_eval
-from tinydiff import export, quality
+from tinydiff import export
+from tinydiff.bench import quality
 from tinydiff.bench import hf as hf_bench
 from tinydiff.bench import table as bench
 

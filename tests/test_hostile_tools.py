@@ -4,7 +4,7 @@ of work that end in writing it; each refusal one `error:` line that writes nothi
 import pytest
 from hostile import NON_FINITE, refused
 
-from tinydiff import quality
+from tinydiff.bench import quality
 from tinydiff.bench import table as bench
 
 BENCH = {"--entropy-bound": ["-1"], "--new-tokens": ["0", "-1", "1.5"], "--prompts": ["0", "-2"],

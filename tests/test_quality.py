@@ -6,22 +6,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinydiff import quality
+from tinydiff import judge
+from tinydiff.bench import quality
+from tinydiff.bench.curve import aup, quality_y
 from tinydiff.checkpoint import save_checkpoint
-from tinydiff.curve import aup, quality_y
 from tinydiff.errors import UserError
 from tinydiff.model import Transformer
 from tinydiff.tokenizer import EOT
 
 
 def test_distinct_n_counts_unique_ngrams():
-    assert quality.distinct_n([[1, 2, 1, 2, 1]], 2) == 2 / 4
-    assert quality.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4  # pooled across samples
-    assert quality.distinct_n([[5, 5, 5, 5]], 1) == 1 / 4 and quality.distinct_n([[7]], 2) == 0.0
+    assert judge.distinct_n([[1, 2, 1, 2, 1]], 2) == 2 / 4
+    assert judge.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4  # pooled across samples
+    assert judge.distinct_n([[5, 5, 5, 5]], 1) == 1 / 4 and judge.distinct_n([[7]], 2) == 0.0
 
 
 def test_story_ends_at_the_first_eot():
-    assert quality.story([3, 4, EOT, 9, EOT]) == [3, 4, EOT] and quality.story([3, 4]) == [3, 4]
+    assert judge.story([3, 4, EOT, 9, EOT]) == [3, 4, EOT] and judge.story([3, 4]) == [3, 4]
 
 
 @torch.no_grad()
@@ -32,10 +33,10 @@ def test_sample_nlls_are_the_judges_summed_nll_per_sample(tiny_model):
         seq = torch.tensor([[EOT] + s])
         logp = F.log_softmax(tiny_model(seq, causal=True)[0, :-1], -1)
         want.append(-logp.gather(-1, seq[0, 1:, None]).sum().item())
-    nlls, counts = quality.sample_nlls(tiny_model, samples)  # the empty sample is skipped
+    nlls, counts = judge.sample_nlls(tiny_model, samples)  # the empty sample is skipped
     assert nlls == pytest.approx(want, rel=1e-5) and counts == [3, 2]
     with pytest.raises(UserError, match="no sample"):
-        quality.sample_nlls(tiny_model, [[], []])
+        judge.sample_nlls(tiny_model, [[], []])
 
 
 def test_perplexity_interval_brackets_the_estimate_and_narrows_with_more_samples():
@@ -43,11 +44,11 @@ def test_perplexity_interval_brackets_the_estimate_and_narrows_with_more_samples
     counts = torch.randint(20, 65, (64,), generator=gen).tolist()
     nlls = [n * (3 + torch.randn(1, generator=gen).item()) for n in counts]  # per-sample mean NLL ~ N(3, 1)
     ppl = math.exp(sum(nlls) / sum(counts))
-    lo, hi = quality.perplexity_interval(nlls, counts)
+    lo, hi = judge.perplexity_interval(nlls, counts)
     assert lo < ppl < hi
-    lo16, hi16 = quality.perplexity_interval(nlls * 16, counts * 16)  # 16x the samples: ~1/4 the width
+    lo16, hi16 = judge.perplexity_interval(nlls * 16, counts * 16)  # 16x the samples: ~1/4 the width
     assert 0.15 < (math.log(hi16) - math.log(lo16)) / (math.log(hi) - math.log(lo)) < 0.35
-    flat = quality.perplexity_interval([2.0 * n for n in counts], counts)  # every sample 2 nats/token
+    flat = judge.perplexity_interval([2.0 * n for n in counts], counts)  # every sample 2 nats/token
     assert flat == pytest.approx((math.exp(2.0), math.exp(2.0)))
 
 
