@@ -209,8 +209,12 @@ NAMES = {"tau": "tau (tokens per round)"}  # a round is one verify forward; the 
 
 def stats_line(stats: dict) -> str:
     """One line of stats; what does not apply to this method (None: a tree's alpha) is left out."""
-    return " | ".join(f"{NAMES.get(k, k)} {v:.4g}" if isinstance(v, float) else f"{NAMES.get(k, k)} {v}"
-                      for k, v in stats.items() if v is not None)
+    def shown(v):
+        if isinstance(v, list):
+            return "[" + ", ".join("-" if x is None else shown(x) for x in v) + "]"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return " | ".join(f"{NAMES.get(k, k)} {shown(v)}" for k, v in stats.items() if v is not None)
 
 
 def main(argv=None):

@@ -136,18 +136,25 @@ def check_block_counts(out, stats, rounds, B, prompt_length):
     assert stats.forwards == stats.rounds + (prompt_length > 1)
     accepted = sum(r["accepted"] for r in rounds)
     assert accepted == sum(n * c for n, c in enumerate(stats.accepted))
-    assert_alpha(stats, rounds, accepted)
+    assert_acceptance(stats, rounds, accepted)
     assert stats.tau == len(out) / stats.rounds and 1 <= stats.tau <= B
 
 
-def assert_alpha(stats, rounds, accepted):
+def assert_acceptance(stats, rounds, accepted):
     """Chain drafts: alpha = accepted / judged, a round judging its drafts up to the first rejection.
-    Trees (rounds without "drafts") have no single acceptance rate."""
+    Trees (rounds without "drafts") have no single acceptance rate. Per slot, recounted from the
+    rounds: slot j+1 was judged in a round whose drafts reach depth j+1 and kept slots 1..j."""
     chain = all("drafts" in r for r in rounds)
     rejected = sum(r["accepted"] < len(r["drafts"]) for r in rounds) if chain else None
     assert stats.rejected == rejected
     judged = accepted + (rejected or 0)
     assert stats.alpha == (accepted / judged if chain and judged else None)
+    depths = [len(r["drafts"]) if chain else int(r["tree"].depths.max()) for r in rounds]
+    slots = range(len(stats.slot_judged))
+    assert len(stats.slot_judged) == len(stats.accepted) - 1 and max(depths, default=0) <= len(slots)
+    assert stats.slot_judged == [sum(j < d and r["accepted"] >= j for r, d in zip(rounds, depths)) for j in slots]
+    assert stats.slot_kept == [sum(j < d and r["accepted"] > j for r, d in zip(rounds, depths)) for j in slots]
+    assert stats.acceptance_by_slot == [k / n if n else None for k, n in zip(stats.slot_kept, stats.slot_judged)]
 
 
 def assert_caches_equal(*pairs):

@@ -195,7 +195,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
         assert spec["loop_c"] > 0 and spec["loop_v"] > 0 and spec["predicted_at_loop_costs"] == pytest.approx(
             expected_tokens_per_round(spec["alpha"], k) / (k * spec["loop_c"] + spec["loop_v"]))
-        assert len(spec["accepted_hist"]) == k + 1
+        assert len(spec["accepted_hist"]) == k + 1 and len(spec["acceptance_by_slot"]) == k
+        assert spec["alpha"] == pytest.approx(sum(spec["slot_kept"]) / sum(spec["slot_judged"]))  # kept / judged
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
     assert report["draft_target_cost_c"] > 0
     for name in ("ssd-f1", "ssd-f3", "ssd-f8", "ssd-g1", "ssd-g2"):  # greedy: the rounds of spec-k4, cached or not
@@ -203,6 +204,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for n in (8, 16, 32, 64, 128):
         tree = rows[f"ddtree-n{n}"]
         assert 0 < tree["tau"] <= 16 and 0 < tree["nodes_per_round"] <= n  # tau counts the prefill forward too
+        rounds = sum(tree["accepted_hist"])  # every round judges slot 1 but a last one without room for drafts
+        assert len(tree["acceptance_by_slot"]) == 15 and rounds - 2 <= tree["slot_judged"][0] <= rounds
         assert tree["speedup_vs_dflash"] == pytest.approx(tree["tokens_per_s"] / rows["dflash-b16"]["tokens_per_s"])
     assert 0 < rows["eagle3-chain"]["tau"] <= 5 and 0 <= rows["eagle3-chain"]["alpha"] <= 1  # a prefill forward too
     assert rows["eagle3-tree"]["alpha"] is None and 0 < rows["eagle3-tree"]["nodes_per_round"] <= 32
@@ -220,6 +223,17 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     assert rows["dmoe-block"]["expert_bytes_per_forward"] <= rows["dmoe-token"]["expert_bytes_per_forward"]
     with pytest.raises(UserError, match="unknown method"):
         bench.main(["--methods", "nope"])
+
+
+def test_bench_decodes_held_out_openings_with_openings(ckpt, story_file, tmp_path, capsys):
+    report = bench.main(["--ckpt", str(ckpt), "--methods", "ar,spec-k2", "--new-tokens", "4", "--prompts", "6",
+                         "--openings", "--data", str(story_file)])
+    assert "| 6 held-out openings x 4 new tokens" in capsys.readouterr().out
+    assert [r["method"] for r in report["rows"]] == ["ar", "spec-k2"]
+    with pytest.raises(UserError, match="--openings draws story openings from --data"):
+        bench.main(["--methods", "ar", "--openings"])
+    with pytest.raises(UserError, match=r"--prompts must lie in \[1, 4\]"):
+        bench.main(["--methods", "ar", "--prompts", "6"])
 
 
 def test_canvas_view_redraws_in_place(capsys):

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, assert_alpha, assert_follows_the_joint, assert_same,
+from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, assert_acceptance, assert_follows_the_joint, assert_same,
                            exact_joint, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 from table_models import TableModel, TokenCache
@@ -34,7 +34,7 @@ def check_counts(out, stats, rounds, k):
     assert stats.proposed == stats.draft_forwards == sum(len(r["drafts"]) for r in rounds)
     accepted = sum(r["accepted"] for r in rounds)
     assert accepted == sum(n * c for n, c in enumerate(stats.accepted))
-    assert_alpha(stats, rounds, accepted)
+    assert_acceptance(stats, rounds, accepted)
     assert stats.tau == len(out) / stats.forwards
     assert 0 < stats.draft_seconds + stats.verify_seconds <= stats.seconds  # both inside the timed loop
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DELTA, Z_ALPHA, assert_alpha, assert_follows_the_joint, chi2_quantile, exact_joint,
+from stats_helpers import (DELTA, Z_ALPHA, assert_acceptance, assert_follows_the_joint, chi2_quantile, exact_joint,
                            noncentral_chi2_sf, one_hot, perturbed, random_model, recorder)
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 from table_models import TableModel
@@ -54,7 +54,7 @@ def check_counts(out, stats, rounds, k, full_context=False):
     assert stats.hits == hits and stats.lookups == lookups
     assert stats.hit_rate == (sum(hits) / sum(lookups) if sum(lookups) else None)
     accepted = sum(n * c for n, c in enumerate(stats.accepted))
-    assert_alpha(stats, rounds, accepted)
+    assert_acceptance(stats, rounds, accepted)
     assert stats.tau == len(out) / stats.rounds
     assert all(1 <= len(r["tokens"]) <= r["accepted"] + 1 <= len(r["drafts"]) + 1 <= k + 1 for r in rounds)
 

@@ -220,7 +220,7 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
         rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
         compact_cache(target_cache, start, rows[1:])
         drafter.extend(draft_cache, [h[:, rows] for h in hidden])
-        tally.add(len(path), tree.size, int(depth > 0))  # one drafter forward per round that drafted
+        tally.add(len(path), tree.size, int(depth > 0), int(tree.depths.max()))  # a drafter forward if it drafted
         if on_round is not None:
             on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})

@@ -170,6 +170,7 @@ class Round:
     rows: list
     hidden: list
     proposed: int
+    depth: int  # how deep the drafts reach (a chain: its length)
     head_forwards: int
     info: dict
 
@@ -196,7 +197,7 @@ def chain_round(s: Decoding, depth: int) -> Round:
     x = torch.cat([torch.tensor([s.seq[-1]], device=drafts.device), drafts])[None]  # (1, K+1)
     logits, hidden = s.verify_forward(x, causal=True)
     n, token = verify(next_token_probs(logits[0], *s.warp_args), q, drafts, s.generator)
-    return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, max(0, depth - 1),
+    return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, depth, max(0, depth - 1),
                  {"drafts": drafts.tolist()})
 
 
@@ -208,7 +209,8 @@ def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
     ids, pos, mask = compile_tree(tree, start, s.seq[-1], s.target.embed.weight.device)
     logits, hidden = s.verify_forward(ids, pos=pos, mask=mask)
     path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *s.warp_args), s.generator)
-    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size, spent,
+    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size,
+                 int(tree.depths.max()), spent,
                  {"tree": tree, "path": path})
 
 
@@ -238,7 +240,7 @@ def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args,
         else:
             compact_cache(s.target_cache, start, rows[1:])
         s.ready = head.extend(s.head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in r.hidden])
-        tally.add(r.accepted, r.proposed, r.head_forwards + 1)  # + the head's read of the committed rows
+        tally.add(r.accepted, r.proposed, r.head_forwards + 1, r.depth)  # + the head's read of the committed rows
         if on_round is not None:
             on_round({**r.info, "accepted": r.accepted, "tokens": tokens, "seq": list(s.seq),
                       "target_cache": s.target_cache, "draft_cache": s.head_cache})

@@ -38,9 +38,11 @@ class Speculated(Decoded):
     proposed: int  # drafts (tree nodes) proposed over all rounds
     rejected: int | None  # rounds that rejected a draft (at most one each); None for trees
     draft_forwards: int
+    slot_judged: list  # slot_judged[j]: rounds that offered slot j+1 (a draft at depth j+1) with slots 1..j kept
+    slot_kept: list  # slot_kept[j]: those of them that kept it
     draft_seconds: float | None = None  # speculative_generate: time drafting, and verifying (forward + rule)
     verify_seconds: float | None = None
-    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round")
+    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
 
     @property
     def rounds(self) -> int:
@@ -59,6 +61,12 @@ class Speculated(Decoded):
         kept = sum(n * count for n, count in enumerate(self.accepted))
         judged = kept + (self.rejected or 0)
         return kept / judged if self.rejected is not None and judged else None
+
+    @property
+    def acceptance_by_slot(self) -> list:
+        """Slot k's acceptance given slots < k were accepted, k = 1..K (DSpark's per-position curve): for a
+        tree, the chance that the accepted path goes one deeper. None where no round judged the slot."""
+        return [kept / judged if judged else None for kept, judged in zip(self.slot_kept, self.slot_judged)]
 
     @property
     def nodes_per_round(self) -> float | None:
@@ -127,18 +135,28 @@ class Tally:
     rejected: int = 0
     draft_forwards: int = 0
     hist: list = field(init=False)
+    judged: list = field(init=False)  # per slot, see Speculated.slot_judged / slot_kept
+    kept: list = field(init=False)
     start: float = field(init=False)
 
     def __post_init__(self):
         self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
+        self.judged, self.kept = [0] * self.k, [0] * self.k
 
-    def add(self, accepted: int, proposed: int, draft_forwards: int):
+    def add(self, accepted: int, proposed: int, draft_forwards: int, depth: int | None = None):
+        """One round: `accepted` drafts kept of `proposed` drafts (tree nodes), the drafts `depth` deep
+        (a chain's depth is its length, the default; a tree passes its own)."""
+        depth = proposed if depth is None else depth
         self.hist[accepted] += 1
         self.proposed += proposed
         self.rejected += self.chain and accepted < proposed
         self.draft_forwards += draft_forwards
+        for j in range(min(accepted + 1, depth)):  # slot j+1 was judged: slots 1..j were kept
+            self.judged[j] += 1
+            self.kept[j] += j < accepted
 
     def result(self, out, device, kind=Speculated, **more) -> Speculated:
         return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
                     accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
-                    draft_forwards=self.draft_forwards, **more)
+                    draft_forwards=self.draft_forwards, slot_judged=list(self.judged), slot_kept=list(self.kept),
+                    **more)

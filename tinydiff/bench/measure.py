@@ -1,4 +1,4 @@
-"""What the benchmark tools share: the fixed prompts, the models they time (trained checkpoints, or
+"""What the benchmark tools share: the fixed prompts or held-out story openings, the models they time (trained checkpoints, or
 untrained stand-ins that time the same work), one method's totals over the prompts (`measure`),
 held-out NLL and bits per byte, and the device's name for the tables.
 """
@@ -16,6 +16,7 @@ from tinydiff.eval import score
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
+from tinydiff.regenerate import story_openings
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -23,6 +24,12 @@ PROMPTS = [
     "One day, a big bear found a red ball in the forest.",
     "Sam wanted to help his mom in the kitchen.",
 ]
+OPENING = 8  # tokens of each held-out story opening: regenerate.py's openings are this long too
+
+
+def heldout_openings(data: str, n: int, seed: int) -> list[list[int]]:
+    """n story openings of OPENING tokens from the validation split of the file `data`."""
+    return story_openings(load_tokens(prepare_tokens(data)[1]), n, OPENING, seed)
 
 
 def device_name(device: str) -> str:
@@ -72,6 +79,8 @@ def measure(method, models, prompts, args) -> dict:
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
         judged = accepted + totals.get("rejected", 0)
         row["alpha"] = accepted / judged if "rejected" in totals and judged else None
+        row["slot_judged"], row["slot_kept"] = totals["slot_judged"], totals["slot_kept"]
+        row["acceptance_by_slot"] = [kept / n if n else None for kept, n in zip(row["slot_kept"], row["slot_judged"])]
     return row
 
 

@@ -2,7 +2,8 @@
 
 A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
-(`accepted`), the drafts `proposed` and, for chains, the rounds that `rejected` a draft. `models`
+(`accepted`), the drafts `proposed`, for chains the rounds that `rejected` a draft, and per draft
+slot the rounds that judged it and kept it (`slot_judged`, `slot_kept`). `models`
 holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFlash drafter),
 "eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM), "distilled" (a diffusion LM distilled for
 parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
@@ -50,13 +51,15 @@ def run_spec(models, prompt, args, generator, k):
 def chain_counts(ids, result):
     """What the bench sums for a chain-drafting method."""
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards,
-            "accepted": result.accepted, "proposed": result.proposed, "rejected": result.rejected}
+            "accepted": result.accepted, "proposed": result.proposed, "rejected": result.rejected,
+            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept}
 
 
 def tree_counts(ids, result):
     """What the bench sums for a tree-drafting method: nodes verified instead of drafts judged."""
     return {"new_tokens": len(ids), "nodes": result.proposed, "seconds": result.seconds,
-            "target_forwards": result.forwards, "accepted": result.accepted, "rounds": result.rounds}
+            "target_forwards": result.forwards, "accepted": result.accepted, "rounds": result.rounds,
+            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept}
 
 
 def run_ssd(models, prompt, args, generator, fan_out, k=4):

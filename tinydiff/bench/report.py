@@ -35,10 +35,9 @@ import torch
 from tqdm import tqdm
 
 from tinydiff import progress, regenerate, trainer
-from tinydiff.bench.measure import device_name, heldout_nll, load_models, measure
+from tinydiff.bench.measure import OPENING, device_name, heldout_nll, heldout_openings, load_models, measure
 from tinydiff.bench.methods import METHODS, USES
 from tinydiff.checkpoint import load_checkpoint
-from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
 from tinydiff.run_config import SETTINGS
@@ -47,7 +46,6 @@ from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
 START, END = "<!-- report:start -->", "<!-- report:end -->"
-OPENING = 8  # tokens of each held-out story opening: regenerate.py's openings are this long too
 
 # role -> (the bench flag that names its checkpoint, the checkpoint kind it must hold). Dict order
 # is training order: the draft, the drafters and the diffusion LM all start from the target.
@@ -325,7 +323,7 @@ def measure_all(args, methods: list[str], plans: dict, bar):
     for role, (flag, _) in ROLES.items():
         setattr(args, flag, plans[role]["path"])
     models = load_models(args)
-    openings = regenerate.story_openings(load_tokens(prepare_tokens(args.data)[1]), args.prompts, OPENING, args.seed)
+    openings = heldout_openings(args.data, args.prompts, args.seed)
     prompts = [[EOT] + opening for opening in openings]
     too_big = [m for m in methods if m.startswith("dflash-b")
                and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]

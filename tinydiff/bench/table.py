@@ -17,6 +17,10 @@ at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a pr
 `diffusion-distilled-t<threshold>` and `diffusion-distilled-entropy` decode the same way with the
 --distilled model (train.py --distill): the threshold in the name, or the entropy bound.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
+Every speculative row adds a line: its accepted-length histogram (rounds that kept n drafts) and
+its acceptance by slot (slot k kept given slots < k were: DSpark's per-position curve; for a tree,
+the accepted path going one deeper). `--openings` decodes --prompts openings of held-out stories
+(--data's validation split) instead of the fixed prompts.
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
 `--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/bench/report.py.
 """
@@ -25,7 +29,7 @@ import sys
 
 from tqdm import tqdm
 
-from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, load_models, measure
+from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
 from tinydiff.bench.methods import METHODS, USES
 from tinydiff.bench.report import write_report
 from tinydiff.checks import COUNT, NATS, SEED, TEMPERATURE
@@ -52,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
     p.add_argument("--prompts", type=COUNT, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
-                   "(with --report: how many held-out story openings)")
+                   "(with --openings or --report: how many held-out story openings)")
+    p.add_argument("--openings", action="store_true", help="decode --prompts openings of held-out stories "
+                   "(--data's validation split, 8 tokens each, as --report does) instead of the fixed prompts")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy, the same text for every method")
     p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
     add_device(p)
@@ -71,9 +77,11 @@ def check_args(args) -> list[str]:
     if unknown or not methods:
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
     check_device(args.device)
-    if args.prompts > len(PROMPTS) and not args.report:
-        raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --report, which draws "
-                        f"held-out story openings), got {args.prompts}")
+    if args.openings and not args.data:
+        raise UserError("--openings draws story openings from --data's validation split: add --data FILE")
+    if args.prompts > len(PROMPTS) and not (args.report or args.openings):
+        raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --openings or --report, "
+                        f"which draw held-out story openings), got {args.prompts}")
     check_output(args.json, "--json")
     return methods
 
@@ -134,6 +142,9 @@ def print_table(rows: list[dict], c: float):
             measured = f"{r['tokens_per_s'] / spec4:.2f}x spec-k4 measured, " if spec4 else ""
             print(f"{r['method']}: hit rate {r['hit_rate']:.2f}, {measured}"
                   f"{r['modelled_speedup_vs_spec']:.2f}x modelled with the draft on its own device")
+        if r.get("acceptance_by_slot"):
+            slots = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_slot"])
+            print(f"{r['method']}: accepted lengths {r['accepted_hist']} | acceptance by slot {slots}")
         if "nodes_per_round" in r:
             versus = f", {r['speedup_vs_dflash']:.2f}x dflash-b16's tokens/s" if "speedup_vs_dflash" in r else ""
             print(f"{r['method']}: {r['nodes_per_round']:.1f} tree nodes verified per target forward{versus}")
@@ -149,7 +160,9 @@ def main(argv=None):
     if args.report:
         return write_report(args, methods)
     tokenizer = Tokenizer()
-    prompts = [[EOT] + tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
+    texts = heldout_openings(args.data, args.prompts, args.seed) if args.openings else \
+        [tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
+    prompts = [[EOT] + text for text in texts]
     models = load_models(args)
     too_big = [m for m in methods if m.startswith("dflash-b") and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
     if too_big:
@@ -158,7 +171,8 @@ def main(argv=None):
         methods = [m for m in methods if m not in too_big]
     rows, c = measure_rows(args, methods, models, prompts, tokenizer)
     report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
-    print(f"device: {report['device']} | {len(prompts)} prompts x {args.new_tokens} new tokens | "
+    source = "held-out openings" if args.openings else "prompts"
+    print(f"device: {report['device']} | {len(prompts)} {source} x {args.new_tokens} new tokens | "
           f"temperature {args.temperature}")
     print_table(rows, c)
     if args.json:
