@@ -166,7 +166,7 @@ def test_packed_training_forward_equals_the_inference_path(models64):
     B, T = drafter.config.block_size, 24
     windows = torch.randint(0, 50257, (2, T), generator=torch.Generator().manual_seed(1))
     anchors = torch.tensor([[1, 5, 6, T - B], [9, 3, 2, 10]])  # overlapping blocks, both ends
-    packed = packed_logits(drafter, windows, anchors)  # (2, 4, B-1, V)
+    packed, _ = packed_logits(drafter, windows, anchors)  # (2, 4, B-1, V)
     for b, j in itertools.product(range(2), range(4)):
         a = int(anchors[b, j])
         _, hidden = target(windows[b:b + 1, :a], causal=True, hidden_layers=drafter.config.taps)

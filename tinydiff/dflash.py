@@ -39,6 +39,7 @@ from tinydiff.drafter import (TARGET_RULES, ExtraKVBlock, check_drafter_config, 
                               rebuild_around, target_dims)
 from tinydiff.errors import UserError
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
+from tinydiff.soft_labels import tempered_ce
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
 PUBLISHED_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}  # block size B -> loss decay g (the paper's choices)
@@ -233,19 +234,20 @@ def training_mask(anchors, block_size: int, T: int):
 
 
 def packed_logits(drafter: DFlashDrafter, windows, anchors):
-    """Draft logits (Bw, A, B-1, V) for the blocks at anchors (Bw, A) of windows (Bw, T): one target
-    forward (frozen, no gradient) for the features, ONE drafter forward for all the blocks."""
+    """Draft logits (Bw, A, B-1, V) for the blocks at anchors (Bw, A) of windows (Bw, T), and the
+    target's logits (Bw, T, V): one target forward (frozen, no gradient) for the features, ONE
+    drafter forward for all the blocks."""
     cfg, (Bw, T), A = drafter.config, windows.shape, anchors.shape[1]
     B = cfg.block_size
     with torch.no_grad():
-        _, hidden = drafter.target(windows, causal=True, hidden_layers=cfg.taps)
+        target_logits, hidden = drafter.target(windows, causal=True, hidden_layers=cfg.taps)
     kv = drafter.context_kv(drafter.features(hidden), torch.arange(T, device=windows.device))
     pos = (anchors[..., None] + torch.arange(B, device=windows.device)).flatten(1)  # (Bw, A*B)
     block = windows.gather(1, pos).view(Bw, A, B)
     block[:, :, 1:] = MASK  # [token at anchor, MASK x (B-1)] per block
     mask = training_mask(anchors, B, T)[:, None]  # (Bw, 1, A*B, T + A*B): shared by heads
     logits = drafter(block.flatten(1), pos, [k for k, _ in kv], [v for _, v in kv], mask)  # (Bw, A*B, V)
-    return logits.view(Bw, A, B, -1)[:, :, 1:]
+    return logits.view(Bw, A, B, -1)[:, :, 1:], target_logits
 
 
 def sample_anchors(batch: int, T: int, block_size: int, anchors: int, generator=None, device=None):
@@ -257,12 +259,14 @@ def sample_anchors(batch: int, T: int, block_size: int, anchors: int, generator=
     return torch.rand(batch, T - block_size, generator=generator, device=device).argsort(-1)[:, :A] + 1
 
 
-def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
+def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
     """Weighted block CE on windows (Bw, T) of clean text; returns (loss, stats).
 
     Anchors: `sample_anchors` (config.anchors per sequence, at most T - B). Slot k (1..B-1) is
     weighted exp(-(k-1)/g) and the loss is the weighted mean sum(w_k CE_k) / sum(w_k), averaged over
     blocks, so it reads as nats per token whatever B is. The MASK logit is left out, as at inference.
+    CE_k is against the text's token (hard labels), or with a `temperature` against the target's
+    distribution at that position read at it (soft_labels.tempered_ce: a drafter trained for sampling).
     stats: ce (that loss), acc (slot-1 argmax == label), tau_proxy (1 + the mean run of leading
     correct slots: the greedy tau if the target's picks were the data).
     """
@@ -272,12 +276,17 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None):
         raise UserError(f"windows of {T} tokens are too short for blocks of {B}; use windows of >= {B + 1}")
     anchors = sample_anchors(Bw, T, B, cfg.anchors, generator, windows.device)  # (Bw, A)
     A = anchors.shape[1]
-    logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V)
+    logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V), (Bw, T, V)
     if logits.shape[-1] > MASK:  # never a label, never drafted (next_token_probs): keep no mass on it
         logits[..., MASK] = float("-inf")
-    labels = windows.gather(1, (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1))
-    labels = labels.view(Bw, A, B - 1)
-    ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
+    positions = (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
+    labels = windows.gather(1, positions).view(Bw, A, B - 1)
+    if temperature is None:
+        ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
+    else:  # the target's distribution for slot k's position, predicted from the position before it
+        V = target_logits.shape[-1]
+        predicted = target_logits.gather(1, (positions - 1)[..., None].expand(-1, -1, V))  # (Bw, A*(B-1), V)
+        ce = tempered_ce(logits, predicted.view(Bw, A, B - 1, V), temperature)
     ce = ce.view(Bw, A, B - 1)
     slots = torch.arange(B - 1, device=windows.device, dtype=ce.dtype)
     w = torch.exp(-slots / cfg.loss_decay)  # slot k: exp(-(k-1)/g)

@@ -37,9 +37,10 @@ from tinydiff.checks import DEPTH, MASS, check_fields
 from tinydiff.drafter import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around,
                               rebuild_around, target_dims)
 from tinydiff.errors import UserError
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table
 from tinydiff.sampling import next_token_probs
-from tinydiff.tokenizer import MASK, VOCAB_SIZE
+from tinydiff.soft_labels import draftable, soft_ce
+from tinydiff.tokenizer import VOCAB_SIZE
 
 KIND = "eagle3"  # the checkpoint kind
 
@@ -175,29 +176,13 @@ def unrolled_logits(head: EagleHead, windows, steps: int):
     return out, target_logits
 
 
-def draftable(logits):
-    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted, as
-    next_token_probs never generates it."""
-    logits = logits.to(wide(logits.dtype))
-    if logits.shape[-1] > MASK:
-        logits = logits.clone()
-        logits[..., MASK] = float("-inf")
-    return logits
-
-
-def soft_ce(logits, p):
-    """Cross-entropy of logits (..., V) against the distribution p (..., V); MASK, which the target
-    never emits, costs nothing (its -inf log-prob is never multiplied by p's 0 there)."""
-    logq = torch.log_softmax(draftable(logits), -1)
-    return -torch.where(p > 0, p * logq, 0.0).sum(-1)
-
-
-def eagle_loss(head: EagleHead, windows, generator=None, steps=None):
+def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature: float = 1.0):
     """Training-time-test distillation loss on windows (Bw, T); returns (loss, stats).
 
     loss = sum_i w_i CE_i / sum_i w_i, w_i = step_decay^i over steps i = 0..K-1 (K = steps, default
     config.steps_ahead), CE_i the mean over rows r >= i of the cross-entropy of step i's row r
-    against the target's distribution for token r+2. `generator` is unused (kept for train.py's
+    against the target's distribution for token r+2, both read at `temperature` (soft_labels.py: 1 by
+    default, --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
     one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
     (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
     row: the greedy tau at k = K if the target's picks were the data).
@@ -209,9 +194,10 @@ def eagle_loss(head: EagleHead, windows, generator=None, steps=None):
     if T < K + 1:
         raise UserError(f"windows of {T} tokens are too short to unroll {K} steps; use windows of >= {K + 1}")
     logits, target_logits = unrolled_logits(head, windows, K)
-    p = next_token_probs(target_logits[:, 1:], 1.0)  # (Bw, T-1, V): the target's for token r+2
+    p = next_token_probs(target_logits[:, 1:], temperature)  # (Bw, T-1, V): the target's for token r+2
     w = [head.config.step_decay ** i for i in range(K)]
-    loss = sum(wi * soft_ce(lg[:, i:], p[:, i:]).mean() for i, (wi, lg) in enumerate(zip(w, logits))) / sum(w)
+    loss = sum(wi * soft_ce(lg[:, i:] / temperature, p[:, i:]).mean() for i, (wi, lg) in enumerate(zip(w, logits)))
+    loss = loss / sum(w)
     want = p.argmax(-1)  # (Bw, T-1)
     correct = torch.stack([draftable(lg.detach()).argmax(-1) == want for lg in logits])  # (K, Bw, T-1)
     runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain

@@ -40,9 +40,10 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
 from tinydiff.drafter import check_target
-from tinydiff.eagle import EagleHead, draftable
+from tinydiff.eagle import EagleHead
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.soft_labels import draftable
 from tinydiff.speculative import cut_at_stop, verify
 from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT

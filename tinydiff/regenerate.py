@@ -12,7 +12,9 @@ A small target's greedy stories mostly end in a loop that repeats one sentence u
 (most of their tokens: docs/LOG.md). A drafter copies a loop after one turn
 of it, so `trim_loops` cuts each story a few tokens past its first repeated n-gram: training then
 spends its anchors on the text before the loop, where drafts fail.
-Leaves out: sampled continuations at several temperatures, mixing regenerated and real text.
+A draft trained for sampling (train.py --draft-temperature T) learns from continuations sampled
+at T instead: text from the target's distribution there, not its mode.
+Leaves out: continuations at several temperatures in one run, mixing regenerated and real text.
 """
 import os
 
@@ -126,10 +128,11 @@ def validation_stories(n: int) -> int:
     return max(16, n // 10)
 
 
-def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings: bool = False) -> np.ndarray:
+def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings: bool = False,
+                       temperature: float = 0.0) -> np.ndarray:
     """The regenerated text cached at `path` (written atomically), made once per run."""
     if os.path.exists(path):
         return np.fromfile(path, dtype=np.uint16)
-    text = regenerate(target, tokens, n, seed, sampled_openings=sampled_openings)
+    text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings)
     write_atomic(path, text.tofile)
     return text

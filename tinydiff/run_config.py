@@ -34,6 +34,7 @@ MIN_RATE = Rule(lo=0, hi=10)
 CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
 # Counts whose every unit is memory held at once: the batch, the validation windows, the stories written.
 BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**6))
+SAMPLING_TEMPERATURE = Rule(lo=0.01, hi=100)  # a temperature one samples at (0 is greedy: the default labels)
 LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target block, 0-indexed (its output); the target bounds it further
 layer_ids = number_list(LAYER_ID)  # '1,2,4' -> [1, 2, 4]
 
@@ -75,6 +76,10 @@ class RunConfig:
                                      type=STORIES)
     openings: str = setting("corpus", "--regenerate's story openings: the corpus's, or sampled by the target",
                             "drafter", choices=("corpus", "target"))
+    draft_temperature: float | None = setting(None, "train for sampling at this temperature: --regenerate's "
+                                              "stories are sampled at it and the labels are the target's "
+                                              "distribution at it (default: greedy stories, hard labels)",
+                                              "drafter", type=SAMPLING_TEMPERATURE)
     steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
                                          type=DEPTH)
@@ -117,6 +122,9 @@ class RunConfig:
                 LAYER_ID.check("--feature-layers id", i)
         if not self.distill and any(getattr(self, key) is not None for key in DISTILL_TUNING):
             raise UserError(f"{', '.join(flag(key) for key in DISTILL_TUNING)} tune --distill TEACHER_CKPT: add it")
+        if self.draft_temperature is not None and not (self.target and self.model in ("ar", *DRAFTERS)):
+            raise UserError("--draft-temperature trains a draft or drafter for sampling from its --target: use "
+                            "--model ar, dflash or eagle3 with --target CKPT")
         if self.openings == "target" and not self.regenerate:
             raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
 

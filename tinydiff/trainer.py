@@ -40,6 +40,7 @@ from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_l
 from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, flag, given_settings, migrate, new_run
 from tinydiff.run_model import build_model, load_target
 from tinydiff.sampler import generate, generate_cached
+from tinydiff.soft_labels import soft_ar_loss
 from tinydiff.tokenizer import EOT, Tokenizer
 from tinydiff.training import evaluate, lr_at, make_optimizer
 
@@ -177,17 +178,23 @@ def training_data(run: dict, model, out: Path, token_paths, device):
     regenerated (--regenerate), or the states of a teacher's trajectories (--distill)."""
     loss_fn, extra = OBJECTIVES[run["model"]]
     train_tokens, val_tokens = (load_tokens(p) for p in token_paths)
+    temperature = run["draft_temperature"]  # None: greedy stories, hard labels
+    if run["regenerate"] is not None and run["model"] not in (*DRAFTERS, "ar"):
+        raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
+                        "with --target")
+    needs_target = run["regenerate"] is not None or (temperature is not None and run["model"] == "ar")
+    target = (model.target if run["model"] in DRAFTERS else load_target(run, device)) if needs_target else None
     if run["regenerate"] is not None:  # a draft learns the target's own text: what it will be asked to guess
-        if run["model"] not in (*DRAFTERS, "ar"):
-            raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
-                            "with --target")
-        target = model.target if run["model"] in DRAFTERS else load_target(run, device)
         train_file, val_file = (out / name for name in REGENERATED)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
-                                  run["openings"] == "target")
+                                  run["openings"] == "target", temperature or 0.0)
         train_tokens = trim_loops(text)
-        print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its greedy loops cut")
-        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"])
+        print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its loops cut")
+        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"],
+                                        temperature=temperature or 0.0)
+    if temperature is not None:  # labels: the target's distribution at the temperature it will be sampled at
+        loss_fn = functools.partial(soft_ar_loss, target=target, temperature=temperature) if run["model"] == "ar" else \
+            functools.partial(loss_fn, temperature=temperature)
     if run["distill"]:  # the teacher's stories and the states inside them replace the windows
         return distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
     window = model.config.context + extra
