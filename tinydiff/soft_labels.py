@@ -30,11 +30,19 @@ def draftable(logits):
     return logits
 
 
+def without_mask(x):
+    """x (..., V) without the MASK column, which is never a label (p = 0) and never drafted."""
+    if x.shape[-1] <= MASK:
+        return x
+    return x[..., :MASK] if x.shape[-1] == MASK + 1 else torch.cat([x[..., :MASK], x[..., MASK + 1:]], -1)
+
+
 def soft_ce(logits, p):
-    """Cross-entropy of logits (..., V) against the distribution p (..., V); MASK, which the target
-    never emits, costs nothing (its -inf log-prob is never multiplied by p's 0 there)."""
-    logq = torch.log_softmax(draftable(logits), -1)
-    return -torch.where(p > 0, p * logq, 0.0).sum(-1)
+    """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in
+    `draftable`, against the distribution p (..., V): logsumexp(z) - <p, z> (p sums to 1), which
+    never materialises log q, a saving on 50,258-wide rows."""
+    z, p = without_mask(logits.to(wide(logits.dtype))), without_mask(p)
+    return torch.logsumexp(z, -1) - (p * z).sum(-1)
 
 
 def tempered_ce(logits, target_logits, temperature: float):

@@ -9,6 +9,8 @@ holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFla
 parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
+import re
+
 import torch
 
 from tinydiff.ar import ar_generate
@@ -77,10 +79,12 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
             "modelled_seconds_sd": result.modelled_seconds_sd, "modelled_seconds_ssd": result.modelled_seconds_ssd}
 
 
-def run_dflash(models, prompt, args, generator, block_size):
-    """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies."""
+def run_dflash(models, prompt, args, generator, block_size, rule="match"):
+    """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies
+    (dflash_decode.RULES: "match" drafts the drafter's argmax, "reject" samples it and applies the
+    rejection rule)."""
     ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
-                                  args.temperature, generator=generator, stop_token=None)
+                                  args.temperature, generator=generator, stop_token=None, rule=rule)
     return chain_counts(ids, result)
 
 
@@ -125,6 +129,7 @@ METHODS = {
     "ssd-g2": lambda *a: run_ssd(*a, fan_out=geometric_fan_out(2, 4, 0.9)),
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
+    "dflash-b16-reject": lambda *a: run_dflash(*a, block_size=16, rule="reject"),
     **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},
     "eagle3-chain": lambda *a: run_eagle(*a, k=4),
     "eagle3-tree": lambda *a: run_eagle(*a, k=6, budget=32),
@@ -137,6 +142,14 @@ METHODS = {
     "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
+
+
+def block_of(method: str) -> int | None:
+    """The block size a dflash-b<B>[-rule] row drafts (None for other methods)."""
+    found = re.match(r"dflash-b(\d+)", method)
+    return int(found.group(1)) if found else None
+
+
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion", "dmoe"))},
         **{name: "distilled" for name in METHODS if name.startswith("diffusion-distilled")},

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from tinydiff import progress, regenerate, trainer
 from tinydiff.bench.measure import OPENING, device_name, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES
+from tinydiff.bench.methods import METHODS, USES, block_of
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
@@ -325,8 +325,7 @@ def measure_all(args, methods: list[str], plans: dict, bar):
     models = load_models(args)
     openings = heldout_openings(args.data, args.prompts, args.seed)
     prompts = [[EOT] + opening for opening in openings]
-    too_big = [m for m in methods if m.startswith("dflash-b")
-               and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
+    too_big = [m for m in methods if (block_of(m) or 0) > models["drafter"].config.block_size]
     methods = [m for m in methods if m not in too_big]  # as the bench does: more slots than trained
     bar.total -= len(too_big)
     nll = heldout_nll(models, args, Tokenizer(), sorted({USES.get(m, "mdlm") for m in methods}))

@@ -17,6 +17,9 @@ at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a pr
 `diffusion-distilled-t<threshold>` and `diffusion-distilled-entropy` decode the same way with the
 --distilled model (train.py --distill): the threshold in the name, or the entropy bound.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
+`dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
+`dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
+the second keeps a draft with probability min(1, p/q) instead of p(argmax).
 Every speculative row adds a line: its accepted-length histogram (rounds that kept n drafts) and
 its acceptance by slot (slot k kept given slots < k were: DSpark's per-position curve; for a tree,
 the accepted path going one deeper). `--openings` decodes --prompts openings of held-out stories
@@ -30,7 +33,7 @@ import sys
 from tqdm import tqdm
 
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES
+from tinydiff.bench.methods import METHODS, USES, block_of
 from tinydiff.bench.report import write_report
 from tinydiff.checks import COUNT, NATS, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, make_parser
@@ -164,7 +167,7 @@ def main(argv=None):
         [tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
     prompts = [[EOT] + text for text in texts]
     models = load_models(args)
-    too_big = [m for m in methods if m.startswith("dflash-b") and int(m[len("dflash-b"):]) > models["drafter"].config.block_size]
+    too_big = [m for m in methods if (block_of(m) or 0) > models["drafter"].config.block_size]
     if too_big:
         print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
               f"{models['drafter'].config.block_size}", file=sys.stderr)
