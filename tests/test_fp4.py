@@ -1,16 +1,24 @@
-"""Spec: FP4 weights (tinydiff/fp4.py). MXFP4 is checked three ways: exhaustively where the space is small
+"""Spec: FP4 weights (tinydiff/fp4.py), FP4 experts (tinydiff/fp4_experts.py) and
+`python -m tinydiff.quantize`. MXFP4 is checked three ways: exhaustively where the space is small
 (every E2M1 value at every normal scale, every byte, every E8M0 code), against a brute-force
 oracle of OCP's rule (the scale by search over powers of two, each element by distance to all 16
 grid values) on adversarial blocks, and against torchao, the library implementation people use,
-bit for bit."""
+bit for bit. The kernel that reads the packed weights: tests/test_kernels_fp4.py."""
+import json
 import math
 import random
 
 import pytest
 import torch
 
-from tinydiff import fp4
+from entry_points import last_line, run_in_process
+from tinydiff import fp4, quantize
+from tinydiff.checkpoint import load_checkpoint, save_checkpoint
+from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers, moe_stats, reset_stats, set_routing
 from tinydiff.errors import UserError
+from tinydiff.fp4_experts import QuantizedMoEFeedForward, dequantized_copy, quantize_experts
+from tinydiff.kinds import load_model
+from tinydiff.model import ModelConfig, Transformer
 
 GRID = fp4.E2M1 + tuple(-v for v in fp4.E2M1)  # the value of each code 0..15
 
@@ -177,3 +185,146 @@ def test_nvfp4_equals_torchaos_nvfp4_quantization_bit_for_bit():
         ours = fp4.quantize(w, "nvfp4")
         scales, codes = nvfp4_quantize(w, 16, per_tensor_amax_to_scale(w.abs().amax()))
         assert torch.equal(ours.scales, scales.view(torch.uint8)) and torch.equal(ours.codes, codes.view(torch.uint8))
+
+
+# --- FP4 experts --------------------------------------------------------------------------------
+
+def tiny_moe(seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = MoEConfig(**{"context": 32, "n_layer": 2, "n_head": 2, "d_model": 64, "d_ff": 128, "causal": False,
+                          "n_experts": 4, "moe_top_k": 2, "expert_d_ff": 64, "route_block": 8, "route_guard": 2,
+                          **overrides})
+    return MoETransformer(config).eval()
+
+
+@pytest.mark.parametrize("fmt", fp4.FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quantized_experts_give_exactly_the_dequantized_float_models_outputs(fmt, dtype):
+    model = tiny_moe().to(dtype)
+    set_routing(model, "block", threshold=0.6, guard=2)
+    q = quantize_experts(model, fmt)
+    plain = dequantized_copy(q)
+    for f, layer in zip(moe_layers(plain), moe_layers(model)):  # what the copy holds: each weight fake-quantized
+        for e, expert in enumerate(layer.experts):
+            assert torch.equal(f.experts[e].down.weight, fp4.fake_quantize(expert.down.weight, fmt))
+    ids = torch.randint(0, 50257, (3, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, want, before = q(ids), plain(ids), model(ids)
+    assert out.dtype == dtype and torch.equal(out, want)  # the same calls on the same weights: bit for bit
+    assert not torch.equal(out, before) and (out - before).abs().max() < 0.05 * before.abs().max()
+    assert q.config.routing == "block" and moe_layers(q)[0].routing == "block"
+
+
+def test_only_the_experts_change_and_the_bytes_are_4_25_bits_a_weight():
+    model = tiny_moe()
+    q = quantize_experts(model)
+    kept = {k: v for k, v in model.state_dict().items() if ".experts." not in k and ".shared." not in k}
+    assert all(torch.equal(q.state_dict()[k], v) for k, v in kept.items())  # attention, router, norms, embedding
+    assert not any(p.dtype == torch.uint8 for p in q.parameters())  # packed weights are buffers
+    layer = moe_layers(q)[0]
+    assert isinstance(layer, QuantizedMoEFeedForward) and layer.expert_bytes() == 3 * 64 * 64 * 4.25 / 8
+    reset_stats(q)
+    with torch.no_grad():
+        q(torch.zeros(1, 8, dtype=torch.long))
+    assert moe_stats(q)["expert_bytes_all"] == 2 * 5 * layer.expert_bytes()  # 2 layers x (4 experts + shared)
+
+
+def test_bad_models_are_refused_before_any_work():
+    with pytest.raises(UserError, match="no mixture-of-experts layers"):
+        quantize_experts(Transformer(ModelConfig(context=8, n_layer=1, n_head=2, d_model=32, d_ff=64)))
+    with pytest.raises(UserError, match="does not divide the input width expert_d_ff = 48"):
+        quantize_experts(tiny_moe(expert_d_ff=48))
+    with pytest.raises(UserError, match="already mxfp4"):
+        quantize_experts(quantize_experts(tiny_moe()))
+    model = tiny_moe()
+    with torch.no_grad():
+        model.blocks[1].ffn.experts[2].up.weight[0, 0] = float("nan")
+    with pytest.raises(UserError, match="MoE layer 1: experts.2.up.weight holds NaN or inf"):
+        quantize_experts(model)
+
+
+# --- python -m tinydiff.quantize, and loading what it writes -------------------------------------
+
+def run(*args):
+    res = run_in_process(quantize.main, *args)
+    return res.returncode, res.stdout, last_line(res.stderr)
+
+
+@pytest.fixture
+def moe_ckpt(tmp_path):
+    model = tiny_moe()
+    save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=model.config, model=model, step=7)
+    return tmp_path / "moe.pt"
+
+
+def test_the_cli_writes_a_checkpoint_that_loads_as_a_quantized_model(moe_ckpt, tmp_path):
+    code, out, _ = run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")
+    assert code == 0 and "mxfp4, block 32" in out and "7.53x fewer" in out
+    ckpt = load_checkpoint(tmp_path / "fp4.pt")
+    assert ckpt["kind"] == "mdlm-moe" and ckpt["config"]["expert_format"] == "mxfp4" and ckpt["step"] == 7
+    model, _ = load_model(tmp_path / "fp4.pt", kinds=("mdlm-moe",))
+    assert isinstance(model.blocks[0].ffn, QuantizedMoEFeedForward)
+    want = quantize_experts(load_model(moe_ckpt)[0]).eval()
+    ids = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(model(ids), want(ids))
+    saved = 2 * 5 * 3 * 64 * 64 * (4 - 4.25 / 8)  # expert bytes: 2 layers x 5 experts, float32 -> 4.25 bits
+    assert moe_ckpt.stat().st_size - (tmp_path / "fp4.pt").stat().st_size > 0.95 * saved
+    code, _, _ = run("--ckpt", moe_ckpt, "--out", tmp_path / "nv.pt", "--format", "nvfp4")
+    assert code == 0 and load_model(tmp_path / "nv.pt")[0].config.expert_format == "nvfp4"
+
+
+def test_generate_and_eval_take_an_fp4_checkpoint(moe_ckpt, tmp_path, story_file):
+    import generate
+    from tinydiff import eval as pinned
+    assert run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")[0] == 0
+    res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once", "--gen-length", 8,
+                         "--steps", 4, "--block-length", 8, "--json", "--routing", "block")
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(res.stdout)["stats"]
+    assert stats["routing"] == "block" and stats["expert_bytes_all"] == 2 * 5 * 3 * 64 * 64 * 4.25 / 8
+    res = run_in_process(pinned.main, "--ckpt", tmp_path / "fp4.pt", "--data", story_file, "--mc", 2)
+    assert res.returncode == 0 and "ELBO bound" in res.stdout, res.stderr
+
+
+def test_cli_bad_input_is_one_line_with_nothing_written(moe_ckpt, tmp_path):
+    mdlm = Transformer(ModelConfig(context=32, n_layer=1, n_head=2, d_model=32, d_ff=64, causal=False))
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm.config, model=mdlm)
+    odd = tiny_moe(expert_d_ff=48)
+    save_checkpoint(tmp_path / "odd.pt", kind="mdlm-moe", config=odd.config, model=odd)
+    broken = tiny_moe()
+    with torch.no_grad():
+        broken.blocks[0].ffn.experts[1].gate.weight[3, 3] = float("inf")
+    save_checkpoint(tmp_path / "inf.pt", kind="mdlm-moe", config=broken.config, model=broken)
+    assert run("--ckpt", moe_ckpt, "--out", tmp_path / "done.pt")[0] == 0
+    (tmp_path / "folder").mkdir()
+    out = tmp_path / "new.pt"
+    cases = [
+        (["--ckpt", tmp_path / "mdlm.pt", "--out", out], 1, "holds a mdlm model, which has no experts to quantize"),
+        (["--ckpt", moe_ckpt, "--out", out, "--format", "int4"], 2, "invalid choice: 'int4'"),
+        (["--ckpt", moe_ckpt, "--out", out, "--block-size", 48], 1, "block size 48 does not divide the input "
+                                                                    "width d_model = 64"),
+        (["--ckpt", tmp_path / "odd.pt", "--out", out], 1, "does not divide the input width expert_d_ff = 48"),
+        (["--ckpt", tmp_path / "inf.pt", "--out", out], 1, "holds NaN or inf"),
+        (["--ckpt", tmp_path / "done.pt", "--out", out], 1, "already mxfp4"),
+        (["--ckpt", moe_ckpt, "--out", moe_ckpt], 1, "exists (it is --ckpt); pass a new path"),
+        (["--ckpt", moe_ckpt, "--out", tmp_path / "done.pt"], 1, "exists; pass a new path (nothing is overwritten)"),
+        (["--ckpt", moe_ckpt, "--out", tmp_path / "folder"], 1, "is a folder"),
+        (["--ckpt", moe_ckpt, "--out", tmp_path / "missing" / "x.pt"], 1, "does not exist"),
+    ]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for args, status, message in cases:
+        code, stdout, err = run(*args)
+        assert (code, stdout) == (status, "") and message in err and err.startswith("error: "), (args, err)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, not even a temp file
+
+
+def test_a_tampered_fp4_checkpoint_is_refused_on_load(moe_ckpt, tmp_path):
+    assert run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")[0] == 0
+    ckpt = torch.load(tmp_path / "fp4.pt", weights_only=True)
+    for key, value, message in (("blocks.0.ffn.experts.up.codes", lambda t: t.float(), "is torch.float32, packed"),
+                                ("blocks.1.ffn.shared.down.scales", lambda t: t.fill_(255), r"E8M0 code 255 \(NaN\)")):
+        bad = {**ckpt, "model": {**ckpt["model"], key: value(ckpt["model"][key].clone())}}
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(UserError, match=message):
+            load_model(tmp_path / "bad.pt")
