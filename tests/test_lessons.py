@@ -58,4 +58,9 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
         once, unrolled = [float(a) for a in once.split()], [float(a) for a in unrolled.split()]
         assert once[0] > 0.9 and max(once[1:]) < 0.5 and min(unrolled) > 0.9
         assert float(tau_unrolled) > float(tau_once) + 1
+    if lesson.name == "14_fp4_experts.py":  # the claims: OCP's scale of the block, 4.25 bits, MXFP4 worse than bf16
+        x, code = re.search(r"X = floor\(log2 amax\) - 2 = (-?\d+).*\n.*E8M0 byte (\d+)", res.stdout).groups()
+        assert int(code) == int(x) + 127 and "MXFP4 reads 7.53x fewer expert bytes than fp32" in res.stdout
+        errors = dict(re.findall(r"^\s+(bf16|mxfp4|nvfp4)\s.*\|\s+([\d.]+)%$", res.stdout, re.M))
+        assert float(errors["bf16"]) < float(errors["nvfp4"]) < float(errors["mxfp4"])
     assert not list(tmp_path.iterdir())  # and wrote nothing where it was run
