@@ -79,7 +79,8 @@ for i in order[:6].tolist() + order[-3:].tolist():
     v = float(block[i])
     print(f"   {v:+.5f}  {v / 2.0 ** x:+7.3f}  -> {int(codes[i]):>4}  {float(back[i]):+.5f}  {float(back[i]) - v:+.5f}")
 print(f"   (the 6 largest and 3 smallest of 32.) Stored: 16 bytes of codes + 1 byte of scale = 17 bytes "
-      f"for 32 weights,\n   4.25 bits each; relative error of this block {float((back - block).norm() / block.norm()):.1%}.")
+      f"for 32 weights,\n   4.25 bits each; relative error of this block "
+      f"{float((back - block).norm() / block.norm()):.1%}.")
 
 print("\n3. One quantized expert. Relative error of each weight matrix, and of the expert's output on the")
 tok = Tokenizer()
@@ -124,7 +125,8 @@ print(f"\n4. The bytes a token reads. moe_config: {config.n_layer} layers x {con
       f"(3 x {config.d_model} x {config.expert_d_ff} weights each), top-{config.moe_top_k} + shared.")
 per_expert = 3 * config.d_model * config.expert_d_ff
 active = config.n_layer * (config.moe_top_k + config.shared_expert)  # experts one token passes through
-rest = config.n_layer * (4 * config.d_model ** 2 + config.d_model * config.n_experts) + config.vocab_size * config.d_model
+rest = (config.n_layer * (4 * config.d_model ** 2 + config.d_model * config.n_experts)  # attention, router
+        + config.vocab_size * config.d_model)  # the tied head: every forward reads all of it
 print("   format  bytes/expert | one token's experts | all experts | with attention, router and tied head")
 for fmt, bits in (("fp32", 32), ("bf16", 16), ("mxfp4", 4.25), ("nvfp4", 4.5)):
     one, rest_bytes = per_expert * bits / 8, 4 if fmt == "fp32" else 2  # FP4 experts: the rest at bf16, as MiMo
@@ -133,7 +135,8 @@ for fmt, bits in (("fp32", 32), ("bf16", 16), ("mxfp4", 4.25), ("nvfp4", 4.5)):
           f"{(active * one + rest_bytes * rest) / 1e6:8.2f} MB per one-token forward")
 print(f"   MXFP4 reads {32 / 4.25:.2f}x fewer expert bytes than fp32, {16 / 4.25:.2f}x fewer than bf16. Here the tied "
       f"head\n   ({config.vocab_size:,} x {config.d_model}) is read in full every forward and outweighs the experts; "
-      "in MiMo's\n   trillion-parameter MoE the experts are nearly everything, which is why they are what goes to 4 bits.")
+      "in MiMo's\n   trillion-parameter MoE the experts are nearly everything, which is why they are what "
+      "goes to 4 bits.")
 T = 64 if args.quick else config.route_block * 4
 block_ids = torch.randint(0, 50257, (1, T), generator=torch.Generator().manual_seed(1))
 print(f"   A diffusion LM reads a block of {config.route_block} tokens per forward ({T} positions here, random ids):")

@@ -104,9 +104,8 @@ def student_from(teacher_path, kind: str, init=None, device="cpu"):
     _, teacher = load_teacher(teacher_path, kind)
     start = teacher if init is None else load_checkpoint(init)
     # configs as the classes read them: a field one file predates counts as its default, not as a difference
-    shape = {key: value for key, value in asdict(config_from(teacher, teacher_path)).items() if key not in ROUTING_FIELDS}
-    theirs = {key: value for key, value in asdict(config_from(start, init or teacher_path)).items()
-              if key not in ROUTING_FIELDS}
+    shape, theirs = ({key: value for key, value in asdict(config_from(ckpt, path)).items() if key not in ROUTING_FIELDS}
+                     for ckpt, path in ((teacher, teacher_path), (start, init or teacher_path)))
     if start["kind"] != teacher["kind"] or theirs != shape:
         differ = sorted(k for k in shape.keys() | theirs.keys() if shape.get(k) != theirs.get(k)) or ["kind"]
         raise UserError(f"--init {init} does not fit the teacher {teacher_path} (it differs in {', '.join(differ)}); "

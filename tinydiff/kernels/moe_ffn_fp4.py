@@ -42,7 +42,8 @@ def check_packed(x, gate, up, down):
             raise ValueError(f"{name}'s scales {tuple(p.scales.shape)} do not cover {p.shape[-1]} inputs in blocks "
                              f"of {p.block_size}")
     if gate.block_size % 2:
-        raise ValueError(f"the kernel needs an even block size (a byte's two values share a scale), got {gate.block_size}")
+        raise ValueError(f"the kernel needs an even block size (a byte's two values share a scale), "
+                         f"got {gate.block_size}")
 
 
 def moe_ffn_fp4_reference(x, weights, experts, gate, up, down):
