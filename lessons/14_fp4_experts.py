@@ -110,8 +110,9 @@ with torch.no_grad():
         bits = 16 if fmt == "bf16" else fp4.bits_per_weight(fmt)
         print(f"   {fmt:<6} {bits:>6.2f}      | " + "  ".join(f"{e:6.2%}" for e in errs) +
               f" | {float((yq - y).norm() / y.norm()):6.2%}")
-print("   Fifteen values per block leave each weight far less exact than bf16 does, and the errors of gate,")
-print("   up and down compound in the output; NVFP4's finer scales (16 values, E4M3) buy some of it back.")
+print("   Fifteen values per block leave each weight far less exact than bf16 does; how the errors of gate,")
+print("   up and down add up in the output depends on the weights and the inputs (they partly cancel in a")
+print("   trained expert). NVFP4's finer scales (16 values, E4M3) buy some of it back.")
 print("   What matters is the model's loss: the masked-token cross-entropy on this story,")
 quantized = quantize_experts(model).eval()
 with torch.no_grad():
@@ -148,5 +149,5 @@ with torch.no_grad():
         s = moe_stats(m)
         print(f"   {routing:>5} routing, {label} experts: {s['unique_experts_per_block']:5.1f} experts per block, "
               f"{s['expert_bytes_per_forward'] / 1e6:6.2f} MB of expert weights per forward")
-print("   Block routing (lesson 11) cuts the experts a block reads; FP4 cuts the bytes of each. A trained router,\n"
-      "   concentrated, cuts the first factor further than this one does.")
+print("   Block routing (lesson 11) cuts the experts a block reads (most where the router spreads a block\n"
+      "   over many experts, as an untrained one does); FP4 cuts the bytes of each, whatever the routing.")
