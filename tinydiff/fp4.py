@@ -12,22 +12,26 @@ power of two 2^X stored as E8M0 (an 8-bit exponent, bias 127, no sign or mantiss
 clamped to E8M0's range [-127, 127]; an all-zero block gets the smallest scale, 2^-127. The
 largest value of a block lands in [4, 8) before rounding, so it rounds to 4 or 6, or saturates
 to 6 (amax = 7.9 x 2^X is stored as 6 x 2^X: the floor rule trades that clipping for a scale
-that needs no rounding). 4 + 8/32 = 4.25 bits per weight.
+that needs no rounding). 4 + 8/32 = 4.25 bits per weight. torchao's MX code (ScaleCalculationMode.FLOOR)
+computes the same bytes, except in blocks whose scale is 2^-127 (amax < 2^-125): it divides those
+by 2^-126, float32's smallest normal, where the rule says 2^-127 (tests/test_fp4.py pins this).
 
 NVFP4 (NVIDIA's two-level scheme, as TensorRT-ModelOpt and torchao compute it): blocks of 16,
 one FP32 scale s per matrix, s = amax(matrix) / (6 * 448), and per block an E4M3 scale
-b = amax(block) / 6 / s rounded to E4M3 (clamped to [2^-6, 448], torchao's range); element = RNE(v / (b s)).
+b = amax(block) / 6 / s rounded to E4M3 (clamped to [2^-6, 448], torchao's range), and
+element = RNE(v / (b s)) on the E2M1 grid.
 A zero matrix (or one under float32's normal range) gets s = 1. 4 + 8/16 = 4.5 bits per weight, plus s.
 
-Storage: two E2M1 codes per byte, element 2i in the low nibble and 2i + 1 in the high one (the
-order of torch.float4_e2m1fn_x2 and torchao; `Packed.codes.view(torch.float4_e2m1fn_x2)` is the
-same bytes as that dtype, which torch can store but not yet convert on a CPU, so uint8 it is).
+Storage: two E2M1 codes per byte, element 2i in the low nibble and 2i + 1 in the high one
+(torchao's order, whose bytes it labels torch.float4_e2m1fn_x2; torch can store that dtype but not
+yet convert it on a CPU, so plain uint8 it is here, and `.view(torch.float4_e2m1fn_x2)` relabels it).
 A code is sign << 3 | magnitude index, so a negative value that rounds to zero keeps its sign
 (0b1000, -0), as a hardware cast does. Scales are uint8: E8M0 exponents, or E4M3 bit patterns.
 
-Leaves out: the other MX element types (FP8, FP6, INT8), MX's optional rounded scale modes
-(torchao's CEIL / EVEN / RCEIL), stochastic rounding, padding of rows that do not fill a block,
-and scale swizzling for tensor-core layouts. Every function here expects finite input.
+Leaves out: the other MX element types (FP8, FP6, INT8), scales rounded instead of floored
+(torchao's CEIL / EVEN / RCEIL modes, outside OCP v1.0's rule), stochastic rounding, padding of
+rows that do not fill a block, and scale swizzling for tensor-core layouts. `quantize` refuses NaN
+and inf; the other functions expect finite input.
 """
 from dataclasses import dataclass
 
