@@ -2,7 +2,8 @@
 
 Run: python lessons/13_parallel_decoding.py [--quick] [--teacher CKPT --student CKPT]
 Read next: tinydiff/distill.py (states and loss), tinydiff/sampler.py (threshold and entropy-bound
-commits), tinydiff/bench/curve.py; docs/RESULTS.md has the curve of the real models.
+commits), tinydiff/bench/curve.py; docs/RESULTS.md has the curve of the real models. Then lesson 14
+(FP4 experts).
 
 A toy language makes the effect visible in seconds: each story is a chain of words where the next
 word is the previous word's successor 70% of the time (any other word otherwise). Given a

@@ -3,8 +3,9 @@
 # else ./gpu_logs). Arguments after LOGDIR go to step 3's bench, e.g. trained checkpoints:
 #   scripts/gpu_check.sh logs --ckpt out/ar-tiny/ckpt.pt --drafter out/dflash-tiny/ckpt.pt
 #
-#   1. tests/test_kernels.py (each kernel against its reference) and tests/test_kernel_paths.py (the
-#      model paths with and without the kernels), the kernels compiled for the GPU (TRITON_INTERPRET=0);
+#   1. tests/test_kernels.py (each kernel against its reference), tests/test_kernel_paths.py (the
+#      model paths with and without the kernels) and tests/test_kernels_fp4.py (the MXFP4 expert
+#      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0);
 #   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
 #      paths, and the Triton kernels at other tile sizes;
 #   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given
@@ -57,7 +58,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 }
 
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    tests/test_kernel_paths.py
+    tests/test_kernel_paths.py tests/test_kernels_fp4.py
 # The rows are written as they come (FlexAttention's, slow to compile, last): a timeout keeps them.
 step kernel_bench 240 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then

@@ -1,7 +1,8 @@
 """The kernel tests' set-up: Triton's interpreter on CPU, compiled kernels on a GPU. Not a test file.
 
-tests/test_kernels.py (each kernel against its reference) and tests/test_kernel_paths.py (the
-model paths with and without kernels) import it before anything else from tinydiff, with
+tests/test_kernels.py (each kernel against its reference), tests/test_kernel_paths.py (the
+model paths with and without kernels) and tests/test_kernels_fp4.py (the FP4 experts' kernel and
+path) import it before anything else from tinydiff, with
 `from kernel_mode import DEVICE, INTERPRET, triton_mode`: the autouse fixture then applies to them.
 
 @triton.jit decides between compiled and interpreted kernels when a kernel module is *imported*
@@ -21,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = OUTER if OUTER is not None else "0" if torch.cu
 pytest.importorskip("triton")
 
 from tinydiff import kernels  # noqa: E402
-from tinydiff.kernels import masked_attention, moe_ffn, sampler_step  # noqa: E402, F401 (imported now, see above)
+from tinydiff.kernels import masked_attention, moe_ffn, moe_ffn_fp4, sampler_step  # noqa: E402, F401 (now, see above)
 
 INTERPRET = kernels.interpreting()
 if INTERPRET != (type(sampler_step._sampler_step_kernel).__name__ == "InterpretedFunction"):

@@ -211,3 +211,21 @@ def test_bad_settings_are_one_line_errors(overrides, message):
         config(**overrides)
     with pytest.raises(UserError, match="needs the teacher"):
         make_loss(replace(config(), loss="tad"))
+
+
+def test_a_student_fits_a_teacher_saved_before_the_newer_config_fields(tmp_path):
+    """A config field the teacher's file predates (here the MoE's expert_format and expert_block) counts as
+    its default: a student saved since, with the field written out, still has the teacher's shape."""
+    from tinydiff.checkpoint import save_checkpoint
+    from tinydiff.distill import student_from
+    from tinydiff.dmoe import MoETransformer, moe_config
+    model = MoETransformer(moe_config("draft", context=32, n_experts=4, moe_top_k=2, route_guard=2))
+    save_checkpoint(tmp_path / "student.pt", kind="mdlm-moe", config=model.config, model=model)
+    old = torch.load(tmp_path / "student.pt", weights_only=True)
+    old["config"] = {k: v for k, v in old["config"].items() if k not in ("expert_format", "expert_block")}
+    torch.save(old, tmp_path / "teacher.pt")
+    assert student_from(tmp_path / "teacher.pt", "mdlm-moe", tmp_path / "student.pt").config == model.config
+    wider = MoETransformer(moe_config("draft", context=32, n_experts=8, moe_top_k=2, route_guard=2))
+    save_checkpoint(tmp_path / "wider.pt", kind="mdlm-moe", config=wider.config, model=wider)
+    with pytest.raises(UserError, match="differs in n_experts"):
+        student_from(tmp_path / "teacher.pt", "mdlm-moe", tmp_path / "wider.pt")

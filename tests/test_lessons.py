@@ -64,4 +64,9 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
         best = {name: max(float(fwd) for n, _, fwd, _ in rows if n == name) for name in ("teacher", "student")}
         assert len(rows) == 8 and best["teacher"] < 1.5 and best["student"] >= 4
         assert all(float(agree) >= 0.85 for n, _, fwd, agree in rows if n == "student" and float(fwd) >= 4)
+    if lesson.name == "14_fp4_experts.py":  # the claims: OCP's scale of the block, 4.25 bits, MXFP4 worse than bf16
+        x, code = re.search(r"X = floor\(log2 amax\) - 2 = (-?\d+).*\n.*E8M0 byte (\d+)", res.stdout).groups()
+        assert int(code) == int(x) + 127 and "MXFP4 reads 7.53x fewer expert bytes than fp32" in res.stdout
+        errors = dict(re.findall(r"^\s+(bf16|mxfp4|nvfp4)\s.*\|\s+([\d.]+)%$", res.stdout, re.M))
+        assert float(errors["bf16"]) < float(errors["nvfp4"]) < float(errors["mxfp4"])
     assert not list(tmp_path.iterdir())  # and wrote nothing where it was run

@@ -31,7 +31,7 @@ Leaves out: dParallel's second pass on the complementary mask, d3LLM's curriculu
 distilling a sampler with self-correction.
 """
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from tinydiff.diffusion import subs_logits
 from tinydiff.dmoe import balance_loss
 from tinydiff.errors import UserError
 from tinydiff.files import write_atomic
-from tinydiff.kinds import load_model, model_from
+from tinydiff.kinds import config_from, load_model, model_from
 from tinydiff.model import wide
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import REMASKING, generate_cached
@@ -103,8 +103,9 @@ def student_from(teacher_path, kind: str, init=None, device="cpu"):
     """The student's start: the teacher's weights, or --init's, which must have the teacher's shape."""
     _, teacher = load_teacher(teacher_path, kind)
     start = teacher if init is None else load_checkpoint(init)
-    shape = {key: value for key, value in teacher["config"].items() if key not in ROUTING_FIELDS}
-    theirs = {key: value for key, value in start["config"].items() if key not in ROUTING_FIELDS}
+    # configs as the classes read them: a field one file predates counts as its default, not as a difference
+    shape, theirs = ({key: value for key, value in asdict(config_from(ckpt, path)).items() if key not in ROUTING_FIELDS}
+                     for ckpt, path in ((teacher, teacher_path), (start, init or teacher_path)))
     if start["kind"] != teacher["kind"] or theirs != shape:
         differ = sorted(k for k in shape.keys() | theirs.keys() if shape.get(k) != theirs.get(k)) or ["kind"]
         raise UserError(f"--init {init} does not fit the teacher {teacher_path} (it differs in {', '.join(differ)}); "

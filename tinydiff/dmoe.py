@@ -36,6 +36,10 @@ Routing blocks are counted back from the end of the sequence the model is given.
 canvases (tinydiff/sampler.py) end on a block boundary, so every routing block is one decoding
 block, cached or not; what is left of the prompt forms the first, shorter block.
 
+FP4 experts (MoEConfig.expert_format "mxfp4" / "nvfp4", written by `python -m tinydiff.quantize`):
+MoETransformer then builds tinydiff/fp4_experts.py's QuantizedMoEFeedForward, which overrides
+`routed` and holds the experts' weights packed.
+
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
 balancing, a grouped-GEMM backward pass.
 """
@@ -50,6 +54,7 @@ from tinydiff import kernels
 from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, check_fields
 from tinydiff.errors import UserError
+from tinydiff.fp4 import check_format
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
 from tinydiff.tokenizer import MASK
 
@@ -70,6 +75,8 @@ class MoEConfig(ModelConfig):
     route_threshold: float = 0.6   # block routing: coreset mass to reach
     route_guard: int = 4           # block routing: coreset size at least this (>= moe_top_k)
     route_mask_vote: float = 1.0   # block routing: a MASK token's vote, against a committed token's 1
+    expert_format: str = "float"   # the experts' weights: "float", or packed FP4 ("mxfp4", "nvfp4": tinydiff/fp4.py)
+    expert_block: int = 32         # FP4 experts: values per scale along each expert's input (32: OCP MX)
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,6 +87,9 @@ class MoEConfig(ModelConfig):
         check_routing(self.routing, self.route_guard, self.moe_top_k, self.n_experts)
         if self.score not in SCORES:
             raise UserError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.expert_format != "float":  # the blocks run along d_model (gate, up) and expert_d_ff (down)
+            check_format(self.expert_format, self.expert_block,
+                         {"d_model": self.d_model, "expert_d_ff": self.expert_d_ff})
 
 
 EXPERTS = Rule(integer=True, lo=1, hi=4096)
@@ -201,24 +211,29 @@ class MoEFeedForward(nn.Module):
             coreset = block_routing(scores, self.top_k, self.block_size, self.threshold, self.guard, self.votes)
         weights, experts = route(scores, self.top_k, coreset, self.block_size)  # (B, T, k) each
         flat, chosen, mix = x.reshape(B * T, D), experts.view(B * T, -1), weights.view(B * T, -1)
-        if kernels.for_inference(flat):  # one launch for all experts instead of E small ones
-            from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
-            out = moe_ffn(flat, mix, chosen, *stacked_experts(self))
-        else:
-            self.stacked = None  # an optimizer step may follow this forward: restack after it
-            out = torch.zeros_like(flat)  # (B*T, D)
-            for e, expert in enumerate(self.experts):
-                rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
-                if len(rows) == 0:
-                    continue  # this expert's weights are never read
-                y = expert(flat.index_select(0, rows))  # (n_e, D)
-                out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
+        out = self.routed(flat, mix, chosen)  # (B*T, D)
         if self.shared is not None:
             out = out + self.shared(flat)
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         self.balance_loss = switch_balance(probs, experts, self.n_experts)
         self._record(scores, weights, experts, coreset, start, x)
         return out.view(B, T, D)
+
+    def routed(self, flat, mix, chosen):
+        """The routed experts' output (N, D) for tokens flat (N, D), mixing weights and expert ids (N, k).
+        (tinydiff/fp4_experts.py's QuantizedMoEFeedForward replaces this with its packed experts.)"""
+        if kernels.for_inference(flat):  # one launch for all experts instead of E small ones
+            from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
+            return moe_ffn(flat, mix, chosen, *stacked_experts(self))
+        self.stacked = None  # an optimizer step may follow this forward: restack after it
+        out = torch.zeros_like(flat)  # (N, D)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
+            if len(rows) == 0:
+                continue  # this expert's weights are never read
+            y = expert(flat.index_select(0, rows))  # (n_e, D)
+            out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
+        return out
 
     @torch.no_grad()
     def _record(self, scores, weights, experts, coreset, start, x):
@@ -247,8 +262,11 @@ class MoETransformer(Transformer):
         if not isinstance(config, MoEConfig):
             raise UserError(f"MoETransformer needs a MoEConfig (see moe_config), got {type(config).__name__}")
         super().__init__(config)
+        layer = MoEFeedForward
+        if config.expert_format != "float":  # packed experts, to load a quantized checkpoint into
+            from tinydiff.fp4_experts import QuantizedMoEFeedForward as layer  # lazily: it builds on this file
         for block in self.blocks:
-            block.ffn = MoEFeedForward(config)
+            block.ffn = layer(config)
             block.ffn.apply(self._init_weights)  # as Transformer: N(0, 0.02), residual writes by depth
             for name, p in block.ffn.named_parameters():
                 if name.endswith("down.weight"):

@@ -55,6 +55,8 @@ def implied_params(config) -> int:
     ffn = 3 * config.d_model * config.d_ff
     if isinstance(config, MoEConfig):
         ffn = 3 * config.d_model * config.expert_d_ff * (config.n_experts + config.shared_expert)
+        if config.expert_format != "float":  # FP4 experts: half a byte per weight, plus a scale per block
+            ffn = ffn // 2 + ffn // config.expert_block
     return config.vocab_size * config.d_model + config.n_layer * (4 * config.d_model ** 2 + ffn)
 
 
