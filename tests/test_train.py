@@ -270,7 +270,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     head = load_checkpoint(tmp_path / "eagle" / "ckpt.pt")
     assert head["kind"] == "eagle3" and head["config"]["steps_ahead"] == 2 and head["step"] == 4
     assert not any(k.startswith(("embed.", "blocks.")) for k in head["model"])  # the head's own weights only
-    with pytest.raises(UserError, match="--feature-layers and --drafter-layers apply to --model dflash only"):
+    with pytest.raises(UserError, match="--feature-layers, --drafter-layers and --markov-rank apply to --model dflash only"):
         train.main([*eagle, "--feature-layers", "1", "--out", str(tmp_path / "x")])
     for flags, message in ((["--experts", "4"], "--experts and --top-k apply"),  # a drafter once ignored these
                            (["--routing", "block"], "--routing applies"), (["--noise-block", "8"], "--noise-block")):

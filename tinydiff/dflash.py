@@ -34,14 +34,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, check_fields
+from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, check_fields
 from tinydiff.drafter import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around,
                               rebuild_around, target_dims)
 from tinydiff.errors import UserError
+from tinydiff.markov_head import MarkovHead
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.soft_labels import tempered_ce
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 
+RANK = Rule(integer=True, lo=0, hi=4096)  # a Markov head's rank, 0 = none
 PUBLISHED_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}  # block size B -> loss decay g (the paper's choices)
 FEATURE_IDS = ("block_output", "after_blocks")
 
@@ -84,6 +86,7 @@ class DFlashConfig:
     #                                     drafters saved before this field meant; they keep that meaning)
     loss_decay: float | None = None  # g in exp(-(k-1)/g); None: 7 for B=16, 5 for 10, 4 for 8, else interpolated
     anchors: int = 32               # training: most random blocks per sequence (at most T - B)
+    markov_rank: int = 0            # DSpark's Markov head (tinydiff/markov_head.py): its rank r, 0 = none
     # The target's dimensions: the drafter must be used with a target that matches them.
     vocab_size: int = VOCAB_SIZE    # the target's vocabulary (its embedding and head are borrowed)
     context: int = 256              # the target's context
@@ -105,7 +108,8 @@ class DFlashConfig:
             raise UserError(f"DFlash config feature_ids must be one of {', '.join(FEATURE_IDS)}, "
                             f"got {self.feature_ids!r}")
         top = self.target_layers - (self.feature_ids == "block_output")  # the last block's output, or after it
-        check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE, "loss_decay": POSITIVE}, "DFlash config", top)
+        check_drafter_config(self, {"block_size": BLOCK, "anchors": SIZE, "loss_decay": POSITIVE, "markov_rank": RANK},
+                             "DFlash config", top)
         self.n_features = len(self.feature_layers)
 
     @property
@@ -147,7 +151,10 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_table(config.context + config.block_size, D // H, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.markov = MarkovHead(config.vocab_size, config.markov_rank) if config.markov_rank else None
         init_around(self, target, config.n_layer)
+        if self.markov is not None:
+            self.markov.zero_()  # a new head starts as plain DFlash
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """Context K/V per drafter layer, for up to `context` committed positions."""
@@ -265,6 +272,7 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: fl
     Anchors: `sample_anchors` (config.anchors per sequence, at most T - B). Slot k (1..B-1) is
     weighted exp(-(k-1)/g) and the loss is the weighted mean sum(w_k CE_k) / sum(w_k), averaged over
     blocks, so it reads as nats per token whatever B is. The MASK logit is left out, as at inference.
+    With a Markov head, slot k's logits carry its bias from the text's token at k - 1.
     CE_k is against the text's token (hard labels), or with a `temperature` against the target's
     distribution at that position read at it (soft_labels.tempered_ce: a drafter trained for sampling).
     stats: ce (that loss), acc (slot-1 argmax == label), tau_proxy (1 + the mean run of leading
@@ -277,10 +285,12 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: fl
     anchors = sample_anchors(Bw, T, B, cfg.anchors, generator, windows.device)  # (Bw, A)
     A = anchors.shape[1]
     logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V), (Bw, T, V)
-    if logits.shape[-1] > MASK:  # never a label, never drafted (next_token_probs): keep no mass on it
-        logits[..., MASK] = float("-inf")
     positions = (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
     labels = windows.gather(1, positions).view(Bw, A, B - 1)
+    if drafter.markov is not None:  # slot k's bias from the text's token at k-1 (teacher forcing)
+        logits = logits + drafter.markov(windows.gather(1, positions - 1).view(Bw, A, B - 1)).to(logits.dtype)
+    if logits.shape[-1] > MASK:  # never a label, never drafted (next_token_probs): keep no mass on it
+        logits[..., MASK] = float("-inf")
     if temperature is None:
         ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
     else:  # the target's distribution for slot k's position, predicted from the position before it

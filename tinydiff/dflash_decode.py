@@ -22,6 +22,8 @@ Caches: after every round both hold exactly the committed tokens but the newest 
 newest is slot 0 of the next block. Before the first round a prefill forward of the target over
 prompt[:-1] fills both (skipped for a one-token prompt): target_forwards = rounds + that prefill.
 
+A drafter with DSpark's Markov head (tinydiff/markov_head.py) drafts the same one forward, then
+picks its slots left to right through the head: argmax, or sampled for "reject".
 Leaves out: batches, draft trees (see ddtree.py), iterative refinement of the block.
 """
 
@@ -31,6 +33,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.dflash import DFlashDrafter, draft_block
 from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
+from tinydiff.markov_head import draft_left_to_right
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, verify
 from tinydiff.tally import Tally
@@ -49,14 +52,22 @@ def sample_and_match(p, drafts, generator=None, greedy=False):
             return i, y
 
 
-def argmax_drafts(logits, warp_args, generator=None):
-    """The "match" rule's drafts (K,): the drafter's argmax per slot (never MASK); no q is needed."""
+def argmax_drafts(logits, warp_args, generator=None, markov=None, first_token=None):
+    """The "match" rule's drafts (K,): the drafter's argmax per slot (never MASK); no q is needed.
+    With a Markov head, the argmax chain of the biased logits, left to right from first_token."""
+    if markov is not None:
+        return draft_left_to_right(markov, logits, first_token, lambda row: argmax_drafts(row, warp_args)[0])[0], None
     return next_token_probs(logits, 0, None, None).argmax(-1), None
 
 
-def sampled_drafts(logits, warp_args, generator=None):
+def sampled_drafts(logits, warp_args, generator=None, markov=None, first_token=None):
     """The "reject" rule's drafts (K,), sampled from q (K, V), the slots warped exactly like the target
-    (one-hot q at T = 0), and q itself, which the rejection rule needs."""
+    (one-hot q at T = 0), and q itself, which the rejection rule needs. With a Markov head each slot
+    is sampled from its row biased by the draft before it, and q holds those rows' distributions."""
+    if markov is not None:
+        drafts, rows = draft_left_to_right(markov, logits, first_token,
+                                           lambda row: sampled_drafts(row, warp_args, generator)[0])
+        return drafts, next_token_probs(rows, *warp_args)
     q = next_token_probs(logits, *warp_args)
     return (sample(q, generator) if warp_args[0] > 0 else q.argmax(-1)), q
 
@@ -132,7 +143,8 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
         if n_drafts:  # draft: ONE drafter forward for the block
-            drafts, q = draw(draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts], warp_args, generator)
+            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
+            drafts, q = draw(logits, warp_args, generator, drafter.markov, seq[-1])
         x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
         logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
         n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)

@@ -83,6 +83,9 @@ class RunConfig:
     steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
                                          type=DEPTH)
+    markov_rank: int | None = setting(None, "dflash: rank of DSpark's Markov head, a bias on each slot's logits "
+                                      "from the token drafted before it (default 0: none)", "drafter",
+                                      type=COUNT_OR_NONE)
     feature_layers: list[int] | None = setting(None, "dflash: target blocks whose outputs to read (0-indexed, the "
                                                "paper's ids), e.g. 1,2,4 (default: the paper's rule, "
                                                "N = min(5, L-3))", "drafter", type=layer_ids)

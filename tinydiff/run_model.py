@@ -44,9 +44,10 @@ def check_init_shape(run: dict, config, wanted: dict):
 
 def check_flags_fit(run: dict):
     """Each model-specific flag is given only to the model it applies to, never silently ignored."""
-    if (run["feature_layers"] or run["drafter_layers"] is not None) and run["model"] != "dflash":
-        raise UserError("--feature-layers and --drafter-layers apply to --model dflash only (EAGLE-3: one layer "
-                        "fusing 3 fixed target layers)")
+    if (run["feature_layers"] or run["drafter_layers"] is not None or run["markov_rank"] is not None) \
+            and run["model"] != "dflash":
+        raise UserError("--feature-layers, --drafter-layers and --markov-rank apply to --model dflash only "
+                        "(EAGLE-3: one layer fusing 3 fixed target layers)")
     if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
         raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
     if (run["experts"] is not None or run["top_k"] is not None) and run["model"] != "mdlm-moe":
@@ -74,7 +75,8 @@ def build_drafter(run: dict, device: str, ckpt=None, path=None):
         ckpt, path = init_checkpoint(run), run["init"]
     target = load_target(run, device)
     if run["model"] == "dflash":
-        given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"]}
+        given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"],
+                 "markov_rank": run["markov_rank"]}
         overrides = {key: value for key, value in given.items() if value is not None}
         if ckpt is None:
             return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
