@@ -37,8 +37,8 @@ canvases (tinydiff/sampler.py) end on a block boundary, so every routing block i
 block, cached or not; what is left of the prompt forms the first, shorter block.
 
 FP4 experts (MoEConfig.expert_format "mxfp4" / "nvfp4", written by `python -m tinydiff.quantize`):
-MoETransformer then builds tinydiff/fp4_experts.py's QuantizedMoEFeedForward, which overrides
-`routed` and holds the experts' weights packed.
+tinydiff/fp4_experts.py's QuantizedMoETransformer builds QuantizedMoEFeedForward layers, which
+override `routed` and hold the experts' weights packed.
 
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
 balancing, a grouped-GEMM backward pass.
@@ -257,16 +257,17 @@ class MoEFeedForward(nn.Module):
 
 class MoETransformer(Transformer):
     """The project's Transformer with every block's `ffn` a MoEFeedForward (model.py unchanged)."""
+    feed_forward = MoEFeedForward  # fp4_experts.QuantizedMoETransformer: the packed experts' layer
 
     def __init__(self, config: MoEConfig):
         if not isinstance(config, MoEConfig):
             raise UserError(f"MoETransformer needs a MoEConfig (see moe_config), got {type(config).__name__}")
+        if config.expert_format != "float" and self.feed_forward is MoEFeedForward:
+            raise UserError(f"this config's experts are packed {config.expert_format}: build the model with "
+                            "tinydiff.fp4_experts.moe_model(config), as load_model does")
         super().__init__(config)
-        layer = MoEFeedForward
-        if config.expert_format != "float":  # packed experts, to load a quantized checkpoint into
-            from tinydiff.fp4_experts import QuantizedMoEFeedForward as layer  # lazily: it builds on this file
         for block in self.blocks:
-            block.ffn = layer(config)
+            block.ffn = self.feed_forward(config)
             block.ffn.apply(self._init_weights)  # as Transformer: N(0, 0.02), residual writes by depth
             for name, p in block.ffn.named_parameters():
                 if name.endswith("down.weight"):

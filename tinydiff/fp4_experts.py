@@ -157,6 +157,16 @@ class QuantizedMoEFeedForward(MoEFeedForward):
         return self.experts.expert_bytes()
 
 
+class QuantizedMoETransformer(MoETransformer):
+    """MoETransformer whose MoE layers hold their experts packed (config.expert_format mxfp4 / nvfp4)."""
+    feed_forward = QuantizedMoEFeedForward
+
+
+def moe_model(config: MoEConfig) -> MoETransformer:
+    """The mixture-of-experts model a config describes: packed experts or float ones."""
+    return (MoETransformer if config.expert_format == "float" else QuantizedMoETransformer)(config)
+
+
 def check_finite(layers):
     """Before any work: every expert weight is a number (fp4.quantize would refuse it mid-way)."""
     for i, layer in enumerate(layers):
@@ -180,7 +190,7 @@ def quantize_experts(model: MoETransformer, fmt: str = "mxfp4", block_size: int 
     config = replace(model.config, expert_format=fmt, expert_block=block_size)  # checks format and block size
     check_finite(layers)
     weight = model.embed.weight
-    quantized = MoETransformer(config).to(weight.device, weight.dtype)
+    quantized = QuantizedMoETransformer(config).to(weight.device, weight.dtype)
     quantized.load_state_dict(model.state_dict(), strict=False)  # everything but the experts, as it is
     for q, f in zip(moe_layers(quantized), layers):
         q.experts.store(list(f.experts))

@@ -13,13 +13,14 @@ from dataclasses import fields
 import torch
 
 from tinydiff.checkpoint import brief_error, load_checkpoint
-from tinydiff.dmoe import MoEConfig, MoETransformer
+from tinydiff.dmoe import MoEConfig
+from tinydiff.fp4_experts import moe_model
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.tokenizer import VOCAB_SIZE
 
-# kind -> (config class, model class); every other kind is a plain Transformer
-ARCHITECTURES = {"mdlm-moe": (MoEConfig, MoETransformer)}
+# kind -> (config class, what builds the model from a config); every other kind is a plain Transformer
+ARCHITECTURES = {"mdlm-moe": (MoEConfig, moe_model)}
 
 
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
