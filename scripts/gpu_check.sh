@@ -8,7 +8,8 @@
 #      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0);
 #   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
 #      paths, and the Triton kernels at other tile sizes;
-#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given
+#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given,
+#      at temperature 0 and 1
 #      (every method, the kernels in the model paths);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp16 and
 #      --dtype bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped.
@@ -63,6 +64,8 @@ TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider 
 step kernel_bench 240 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
 if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
     step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
+    step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \
+        --json "$LOGDIR/bench_t1.json" "$@"  # where users sample: acceptance by slot per row
 else
     echo "bench          SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
         | tee -a "$LOGDIR/summary.txt"
