@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tinydiff import kernels
 from tinydiff.block_diffusion import diffusion_loss
@@ -190,6 +191,7 @@ class MoEFeedForward(nn.Module):
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
         self.sync_timing = False  # synchronize CUDA around the layer so its time is the GPU's
         self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
+        self.weight_view = None  # w -> what an expert computes with (tinydiff/qat.py: fake-quantized); None: w
         self.reset_stats()
 
     def reset_stats(self):
@@ -213,7 +215,7 @@ class MoEFeedForward(nn.Module):
         flat, chosen, mix = x.reshape(B * T, D), experts.view(B * T, -1), weights.view(B * T, -1)
         out = self.routed(flat, mix, chosen)  # (B*T, D)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            out = out + self.run_expert(self.shared, flat)
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         self.balance_loss = switch_balance(probs, experts, self.n_experts)
         self._record(scores, weights, experts, coreset, start, x)
@@ -222,7 +224,7 @@ class MoEFeedForward(nn.Module):
     def routed(self, flat, mix, chosen):
         """The routed experts' output (N, D) for tokens flat (N, D), mixing weights and expert ids (N, k).
         (tinydiff/fp4_experts.py's QuantizedMoEFeedForward replaces this with its packed experts.)"""
-        if kernels.for_inference(flat):  # one launch for all experts instead of E small ones
+        if kernels.for_inference(flat) and self.weight_view is None:  # one launch for all experts, not E
             from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
             return moe_ffn(flat, mix, chosen, *stacked_experts(self))
         self.stacked = None  # an optimizer step may follow this forward: restack after it
@@ -231,9 +233,16 @@ class MoEFeedForward(nn.Module):
             rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
             if len(rows) == 0:
                 continue  # this expert's weights are never read
-            y = expert(flat.index_select(0, rows))  # (n_e, D)
+            y = self.run_expert(expert, flat.index_select(0, rows))  # (n_e, D)
             out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
         return out
+
+    def run_expert(self, expert, x):
+        """One SwiGLU expert on x (n, D), through `weight_view` when one is set."""
+        if self.weight_view is None:
+            return expert(x)
+        gate, up, down = (self.weight_view(lin.weight) for lin in (expert.gate, expert.up, expert.down))
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
     @torch.no_grad()
     def _record(self, scores, weights, experts, coreset, start, x):

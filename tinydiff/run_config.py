@@ -17,6 +17,7 @@ from tinydiff.checks import (BLOCK, COUNT, COUNT_OR_NONE, DEPTH, MASS, POSITIVE,
 from tinydiff.distill import LOSSES
 from tinydiff.dmoe import EXPERTS
 from tinydiff.errors import UserError
+from tinydiff.fp4 import FORMATS
 from tinydiff.model import PRESETS
 from tinydiff.sampler import REMASKING
 
@@ -110,6 +111,9 @@ class RunConfig:
     routing: str = setting("token", "expert routing", "moe", choices=("token", "block"))
     route_threshold: float = setting(0.6, "block routing: coreset mass", "moe", type=MASS)
     route_guard: int = setting(4, "block routing: at least this many experts", "moe", type=EXPERTS)
+    qat: str | None = setting(None, "fine-tune with the experts fake-quantized in this FP4 format (straight-"
+                              "through gradient; python -m tinydiff.quantize then packs them), e.g. with --init "
+                              "a full-precision checkpoint", "moe", choices=FORMATS)
     route_mask_vote: float = setting(1.0, "block routing: a MASK token's vote in its block's coreset, against a "
                                      "committed token's 1 (1 is the paper's rule)", "moe", type=POSITIVE)
 

@@ -13,6 +13,7 @@ from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
 from tinydiff.kinds import load_model, model_from
 from tinydiff.model import Transformer, preset
+from tinydiff.qat import fake_quantize_experts
 from tinydiff.run_config import DRAFTERS
 
 
@@ -54,6 +55,9 @@ def check_flags_fit(run: dict):
         raise UserError("--experts and --top-k apply to --model mdlm-moe only")
     if run["routing"] != "token" and run["model"] != "mdlm-moe":
         raise UserError("--routing applies to --model mdlm-moe only")
+    if run["qat"] is not None and run["model"] != "mdlm-moe":
+        raise UserError("--qat fake-quantizes the experts of a mixture-of-experts model: use --model mdlm-moe "
+                        "(and --init its full-precision checkpoint)")
     if run["distill"] and run["model"] not in ("mdlm", "mdlm-moe"):
         raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
 
@@ -64,8 +68,12 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
     if run["model"] in DRAFTERS:
         return build_drafter(run, device, ckpt, path)
     if ckpt is not None:  # resuming: the checkpoint's model, as it was saved
-        return model_from(ckpt, path, device)
-    return with_run_options(new_language_model(run, device), run)
+        model = model_from(ckpt, path, device)
+    else:
+        model = with_run_options(new_language_model(run, device), run)
+    if run["qat"] is not None:  # every start of the run, resumed ones too: the experts compute fake-quantized
+        fake_quantize_experts(model, run["qat"])
+    return model
 
 
 def build_drafter(run: dict, device: str, ckpt=None, path=None):
