@@ -36,9 +36,8 @@ Routing blocks are counted back from the end of the sequence the model is given.
 canvases (tinydiff/sampler.py) end on a block boundary, so every routing block is one decoding
 block, cached or not; what is left of the prompt forms the first, shorter block.
 
-FP4 experts (MoEConfig.expert_format "mxfp4" / "nvfp4", written by `python -m tinydiff.quantize`):
-tinydiff/fp4_experts.py's QuantizedMoETransformer builds QuantizedMoEFeedForward layers, which
-override `routed` and hold the experts' weights packed.
+FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4_experts.py's layers override
+`routed` and hold the experts packed; QAT (tinydiff/qat.py) sets `weight_view`.
 
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
 balancing, a grouped-GEMM backward pass.
@@ -175,6 +174,20 @@ def switch_balance(probs, experts, n_experts: int):
     return n_experts * (f * P).sum()
 
 
+def dispatch(flat, mix, chosen, n_experts: int, run_expert):
+    """sum_j mix[:, j] * expert chosen[:, j] (flat) for tokens flat (N, D), mixing weights and expert ids
+    (N, k): a loop over experts, run_expert(e, rows (n_e, D)) -> (n_e, D); an expert no token chose
+    is never read."""
+    out = torch.zeros_like(flat)  # (N, D)
+    for e in range(n_experts):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
+        if len(rows) == 0:
+            continue  # this expert's weights are never read
+        y = run_expert(e, flat.index_select(0, rows))  # (n_e, D)
+        out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
+    return out
+
+
 class MoEFeedForward(nn.Module):
     """E SwiGLU experts, a router and an optional shared expert; a drop-in for `Block.ffn`."""
 
@@ -228,14 +241,7 @@ class MoEFeedForward(nn.Module):
             from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
             return moe_ffn(flat, mix, chosen, *stacked_experts(self))
         self.stacked = None  # an optimizer step may follow this forward: restack after it
-        out = torch.zeros_like(flat)  # (N, D)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
-            if len(rows) == 0:
-                continue  # this expert's weights are never read
-            y = self.run_expert(expert, flat.index_select(0, rows))  # (n_e, D)
-            out.index_add_(0, rows, (y * mix[rows, slot, None]).to(out.dtype))
-        return out
+        return dispatch(flat, mix, chosen, len(self.experts), lambda e, x: self.run_expert(self.experts[e], x))
 
     def run_expert(self, expert, x):
         """One SwiGLU expert on x (n, D), through `weight_view` when one is set."""

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff import fp4, kernels
-from tinydiff.dmoe import MoEConfig, MoEFeedForward, MoETransformer, moe_layers
+from tinydiff.dmoe import MoEConfig, MoEFeedForward, MoETransformer, dispatch, moe_layers
 from tinydiff.errors import UserError
 
 PROJECTIONS = ("gate", "up", "down")
@@ -124,14 +124,7 @@ class QuantizedSwiGLU(nn.Module):
             return moe_ffn_fp4(x, weights, experts, *self.packed())
         if experts is None:
             return self.expert(0, x)
-        out = torch.zeros_like(x)  # (N, D)
-        for e in range(self.n):
-            rows, slot = (experts == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k
-            if len(rows) == 0:
-                continue  # this expert's bytes are never read
-            y = self.expert(e, x.index_select(0, rows))  # (n_e, D)
-            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
-        return out
+        return dispatch(x, weights, experts, self.n, self.expert)  # an expert no token chose is never read
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's packed weights: codes, scales (and NVFP4's per-matrix scale)."""
