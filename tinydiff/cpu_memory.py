@@ -7,8 +7,9 @@ training or decoding step here allocates several tensors of logits over the 50,2
 page is zero-filled by a page fault each time. On a small model that kernel time rivals the
 arithmetic (docs/LOG.md has the measurement). Raising the mmap and trim thresholds makes such
 blocks come from malloc's heap and stay there for reuse, as PyTorch's caching allocator does on a
-GPU. The cost: up to about 1 GiB of freed memory stays mapped to the process instead of going
-back to the system.
+GPU. The cost: freed memory stays mapped to the process instead of going back to the system, so
+its peak resident memory is higher (docs/LOG.md measures both sides); TINYDIFF_MALLOC=default
+trades the speed back for it.
 
 Set when `tinydiff` is imported; a no-op off glibc (macOS, Windows, musl), and with
 TINYDIFF_MALLOC=default in the environment. Tensors and results are unchanged: only where freed
