@@ -57,7 +57,8 @@ def test_train_qat_fine_tunes_records_resumes_and_refuses(story_file, tmp_path):
     assert any(not torch.equal(w, before[k]) for k, w in ckpt["model"].items() if ".ffn.experts." in k)  # trained
     resumed = build_model(migrate(ckpt["args"], "ckpt"), "cpu", ckpt, "ckpt")  # as train.py --resume builds it
     assert all(layer.weight_view is not None for layer in moe_layers(resumed))
-    for extra, message in ((["--qat", "mxfp4"], "does not divide the input width expert_d_ff = 48"),  # 32-value blocks do not divide 48
+    # 32-value blocks do not divide 48; a dense model has no experts
+    for extra, message in ((["--qat", "mxfp4"], "does not divide the input width expert_d_ff = 48"),
                            (["--qat", "nvfp4", "--model", "mdlm"], "--qat fake-quantizes the experts")):
         with pytest.raises(UserError, match=message):
             train.main([*argv(story_file, tmp_path / "bad", "--init", str(tmp_path / "full" / "ckpt.pt"),

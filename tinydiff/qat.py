@@ -12,6 +12,7 @@ form (`python -m tinydiff.quantize`) is exactly what the forward computed with.
 resumed run fake-quantizes again.
 Leaves out: learned scales (LSQ), quantizing the activations, QAT for dense models.
 """
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -35,7 +36,7 @@ def fake_quantize_experts(model, fmt: str, block_size: int | None = None):
     layers = moe_layers(model)  # a model without MoE layers: a one-line error
     config = model.config
     block_size = fp4.STANDARD_BLOCK.get(fmt, 0) if block_size is None else block_size
-    fp4.check_format(fmt, block_size, {"d_model": config.d_model, "expert_d_ff": config.expert_d_ff})
+    replace(config, expert_format=fmt, expert_block=block_size)  # MoEConfig checks the format and block size
     if config.expert_format != "float":
         raise UserError(f"--qat fine-tunes full-precision experts; this model's are packed {config.expert_format}. "
                         "Start from the full-precision checkpoint it came from")

@@ -66,7 +66,7 @@ class Speculated(Decoded):
     def acceptance_by_slot(self) -> list:
         """Slot k's acceptance given slots < k were accepted, k = 1..K (DSpark's per-position curve): for a
         tree, the chance that the accepted path goes one deeper. None where no round judged the slot."""
-        return [kept / judged if judged else None for kept, judged in zip(self.slot_kept, self.slot_judged)]
+        return acceptance_by_slot(self.slot_kept, self.slot_judged)
 
     @property
     def nodes_per_round(self) -> float | None:
@@ -115,6 +115,11 @@ class SsdDecoded(Speculated):
     @property
     def modelled_speedup(self) -> float | None:
         return self.modelled_seconds_sd / self.modelled_seconds_ssd if self.modelled_seconds_ssd else None
+
+
+def acceptance_by_slot(kept: list, judged: list) -> list:
+    """kept / judged per slot, None where no round judged it (Speculated's, and the bench's sums)."""
+    return [k / n if n else None for k, n in zip(kept, judged)]
 
 
 def elapsed(start: float, device) -> float:

@@ -190,8 +190,8 @@ def training_data(run: dict, model, out: Path, token_paths, device):
                                   run["openings"] == "target", temperature or 0.0)
         train_tokens = trim_loops(text)
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its loops cut")
-        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"],
-                                        temperature=temperature or 0.0)
+        val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]),
+                                        run["seed"], temperature=temperature or 0.0)
     if temperature is not None:  # labels: the target's distribution at the temperature it will be sampled at
         loss_fn = functools.partial(soft_ar_loss, target=target, temperature=temperature) if run["model"] == "ar" else \
             functools.partial(loss_fn, temperature=temperature)

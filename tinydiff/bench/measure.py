@@ -1,6 +1,6 @@
-"""What the benchmark tools share: the fixed prompts or held-out story openings, the models they time (trained checkpoints, or
-untrained stand-ins that time the same work), one method's totals over the prompts (`measure`),
-held-out NLL and bits per byte, and the device's name for the tables.
+"""What the benchmark tools share: the fixed prompts or held-out story openings, the models they time
+(trained checkpoints, or untrained stand-ins that time the same work), one method's totals over
+the prompts (`measure`), held-out NLL and bits per byte, and the device's name for the tables.
 """
 import platform
 import sys
@@ -17,6 +17,7 @@ from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.regenerate import story_openings
+from tinydiff.tally import acceptance_by_slot
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -80,7 +81,7 @@ def measure(method, models, prompts, args) -> dict:
         judged = accepted + totals.get("rejected", 0)
         row["alpha"] = accepted / judged if "rejected" in totals and judged else None
         row["slot_judged"], row["slot_kept"] = totals["slot_judged"], totals["slot_kept"]
-        row["acceptance_by_slot"] = [kept / n if n else None for kept, n in zip(row["slot_kept"], row["slot_judged"])]
+        row["acceptance_by_slot"] = acceptance_by_slot(row["slot_kept"], row["slot_judged"])
     return row
 
 
