@@ -34,6 +34,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
+from tinydiff.compiled import compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import dflash_generate
@@ -58,6 +59,7 @@ DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshol
 USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
            "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
+           "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion"),
            **{key: ("diffusion",) for key in DIFFUSION_FLAGS}}
 
 
@@ -75,6 +77,8 @@ def parse_args(argv=None):
     add_device(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--temperature", type=TEMPERATURE, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
+    p.add_argument("--compile", action="store_true", help="static-shape decode steps compiled with torch.compile "
+                   "(CUDA graphs on a GPU); the same tokens, compile time apart in the stats (diffusion: with --cached)")
     ar = p.add_argument_group("ar")
     ar.add_argument("--max-new-tokens", type=COUNT, help="default: until the story ends or the context is full")
     ar.add_argument("--top-k", type=COUNT_OR_NONE, default=50, help="sample among the k likeliest tokens (0 = all)")
@@ -171,6 +175,7 @@ def run_speculative(model, prompt, args, generator, warping):
             raise UserError(f"--method {args.method} needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
         draft, _ = load_model(args.draft, args.device, kinds=("ar",))
         if args.method == "spec":
+            model, draft = compiled(args, "spec", target=model, draft=draft, k=args.k)
             return speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
         if args.device == "cpu":
             torch.set_num_threads(1)  # the draft's thread and the target's each get one core
@@ -184,13 +189,27 @@ def run_speculative(model, prompt, args, generator, warping):
         raise UserError(f"{args.drafter} holds a {drafter_ckpt['kind']} model, not a {kind} drafter")
     if args.method == "eagle3":
         head = head_from(drafter_ckpt, model, args.drafter)
+        (model,) = compiled(args, "eagle3", target=model, k=args.k, budget=args.budget)
         return eagle_generate(model, head, prompt, args.max_new_tokens, args.k, args.budget, args.branch, *warping,
                               generator)
     drafter = drafter_from(drafter_ckpt, model, args.drafter)
+    block_size = args.block_size or drafter.config.block_size
     if args.method == "ddtree":
         budget = 32 if args.budget is None else args.budget
+        model, drafter = compiled(args, "ddtree", target=model, drafter=drafter, block_size=block_size, budget=budget)
         return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
+    model, drafter = compiled(args, "dflash", target=model, drafter=drafter, block_size=block_size)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
+
+
+def compiled(args, method, k=4, block_size=16, budget=None, block_length=32, shift=0, **models):
+    """The models (target=..., draft=..., drafter=...) as the method's loop reads them: wrapped for
+    compiled static decoding with --compile (tinydiff/compiled.py), else as they are."""
+    if not args.compile:
+        return tuple(models.values())
+    hot = hot_steps(method, k=k, block_size=block_size, budget=budget, block_length=block_length, shift=shift)
+    args.compiled_models = list(wrap(models, hot).values())
+    return tuple(args.compiled_models)
 
 
 def run_diffusion(model, prompt, args, generator, callback):
@@ -200,6 +219,8 @@ def run_diffusion(model, prompt, args, generator, callback):
     if args.cached:
         if args.revise:
             raise UserError("--revise works with the uncached sampler only; drop --cached or --revise")
+        (model,) = compiled(args, "diffusion-cached", target=model, block_length=args.block_length,
+                            shift=int(model.config.shift))
         return generate_cached(model, prompt, args.gen_length, steps, args.block_length, **common)
     return generate(model, prompt, args.gen_length, steps, args.block_length, revise=args.revise, **common)
 
@@ -231,6 +252,11 @@ def main(argv=None):
     check_flags_apply(args, method)
     moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold, args.route_guard,
                              args.route_mask_vote) is not None  # the saved expert routing unless a flag says otherwise
+    if args.compile and moe:
+        raise UserError("--compile does not cover mixture-of-experts checkpoints (their routing has no fixed "
+                        "shapes); drop --compile")
+    if args.compile and method == "diffusion" and not args.cached:
+        raise UserError("--compile decodes diffusion with the cached sampler: add --cached")
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
@@ -240,6 +266,7 @@ def main(argv=None):
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method
         if method == "ar":
+            (model,) = compiled(args, "ar", target=model)
             ids, result = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
         else:
             ids, result = run_speculative(model, prompt, args, generator, warping)
@@ -253,6 +280,8 @@ def main(argv=None):
         if view:
             view.clear()  # the final text, cut at the story's end, replaces the last frame
     stats = result.row() | (moe_stats(model) if moe else {})
+    if args.compile:  # seconds (and tokens_per_s) include it: the first call of each step compiles it
+        stats["compile_seconds"] = compile_seconds(args.compiled_models)
     story = ids[:ids.index(EOT)] if EOT in ids else ids  # a story ends at its first EOT
     text = args.prompt + tokenizer.decode(story)
     if args.json:

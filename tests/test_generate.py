@@ -143,6 +143,18 @@ def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny
     assert "not a eagle3 drafter" in res.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.compile
+def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ckpt):
+    common = ["--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 8, "--temperature", 0, "--json"]
+    eager, compiled = json.loads(run(*common).stdout), json.loads(run(*common, "--compile").stdout)
+    assert compiled["ids"] == eager["ids"] and compiled["stats"]["compile_seconds"] > 0
+    assert "compile_seconds" not in eager["stats"]
+    for args, message in ((["--ckpt", ckpt, "--method", "ssd", "--draft", ckpt], "--compile does not apply"),
+                          (["--ckpt", mdlm_ckpt], "add --cached")):
+        res = run(*args, "--prompt", "hi", "--compile")
+        assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
@@ -168,6 +180,7 @@ def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
     assert block["stats"]["unique_experts_per_block"] <= saved["unique_experts_per_block"]
     for path, flags, message in ((tmp_path / "moe.pt", ["--route-guard", 3], "--route-guard tunes block routing; add"),
                                  (tmp_path / "moe.pt", ["--route-mask-vote", 4], "--route-mask-vote tunes block"),
+                                 (tmp_path / "moe.pt", ["--cached", "--compile"], "not cover mixture-of-experts"),
                                  (ckpt, ["--routing", "block"], "--routing do not apply to --method ar")):
         res = run("--ckpt", path, *common, *flags)
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]

@@ -222,8 +222,8 @@ def draft_block(drafter: DFlashDrafter, cache: KVCache, last_token: int, hidden=
     n = cache.length
     block = block_input(last_token, B, cache.k[0].device)
     pos = torch.arange(n, n + B, device=block.device)
-    ctx_k, ctx_v = [k[:, :, :n] for k in cache.k], [v[:, :, :n] for v in cache.v]
-    return drafter(block, pos, ctx_k, ctx_v)[0, 1:]
+    ctx_k, ctx_v, mask = cache.past(B)
+    return drafter(block, pos, ctx_k, ctx_v, mask)[0, 1:]
 
 
 def training_mask(anchors, block_size: int, T: int):

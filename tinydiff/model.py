@@ -129,6 +129,13 @@ class KVCache:
     def advance(self, n: int):
         self.length += n
 
+    def past(self, new_rows: int):
+        """What new_rows rows read before their own keys: per layer the valid rows' keys and values
+        (B, H, length, D), and the mask over [those; the new rows] (None: all visible). A
+        compiled.StaticCache answers with all its rows and a mask instead, so shapes stay fixed."""
+        n = self.length
+        return [k[:, :, :n] for k in self.k], [v[:, :, :n] for v in self.v], None
+
     def crop(self, n: int):
         if not 0 <= n <= self.length:
             raise ValueError(f"crop({n}) outside the cache's {self.length} valid rows")
@@ -136,10 +143,10 @@ class KVCache:
 
     def keep(self, rows):
         """Keep only `rows` (1-D indices into the valid rows, in the order given)."""
-        rows = torch.as_tensor(rows, device=self.k[0].device, dtype=torch.long)
-        if rows.numel() and (rows.min() < 0 or rows.max() >= self.length):
+        rows = [int(r) for r in rows]  # checked on the host: a check of a device tensor waits for the device
+        if rows and (min(rows) < 0 or max(rows) >= self.length):
             raise ValueError(f"keep(): row indices must lie in [0, {self.length})")
-        n = rows.numel()
+        n, rows = len(rows), torch.tensor(rows, device=self.k[0].device, dtype=torch.long)
         for cache in (self.k, self.v):
             for layer, t in enumerate(cache):
                 t[:, :, :n] = t[:, :, rows].clone()  # clone: source and target rows overlap

@@ -1,0 +1,120 @@
+"""Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
+
+Every method of the library run on StaticModel / StaticDrafter wrappers, with each hot step compiled
+by inductor with fullgraph=True (a graph break is an error), gives the eager loop's tokens at
+temperature 0 and its samples with the same seed at temperature 1; after every round the static
+caches hold the eager caches' rows; the hot steps really ran compiled; misuse is a one-line error.
+The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
+only by float64 rounding, far below any argmax or sampling boundary. Compiling is the slow part
+(seconds per shape), so the wrappers are built once for the module and every test shares them.
+"""
+import pytest
+import torch
+from eagle_models import random_head
+from stats_helpers import EXACT, assert_same, float64, random_drafter, random_model
+
+from tinydiff.ar import ar_generate
+from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel
+from tinydiff.ddtree import ddtree_generate
+from tinydiff.dflash_decode import dflash_generate
+from tinydiff.eagle_decode import eagle_generate
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig
+from tinydiff.sampler import generate_cached
+from tinydiff.speculative import speculative_generate
+
+pytestmark = pytest.mark.compile
+PROMPT, NEW = [3, 1, 4, 1, 5], 16
+# Spec drafts, DFlash block, DDTree nodes, EAGLE drafts, diffusion block: K + 1 = BLOCK = EAGLE_K + 1
+# makes one verify shape for three methods (one compile).
+K, BLOCK, BUDGET, EAGLE_K, CANVAS = 3, 4, 6, 3, 8
+
+
+@pytest.fixture(scope="module")
+def eager():
+    target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=4, n_head=2, d_model=32, d_ff=64), seed=0)
+    draft = random_model(ModelConfig(vocab_size=64, context=40, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
+    drafter = random_drafter(target, seed=2, n_layer=1, block_size=BLOCK, n_features=1)
+    head = random_head(target, seed=3)
+    mdlm = random_model(ModelConfig(context=40, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), seed=4)
+    target, drafter, head = float64(target, drafter, head)
+    (draft,), (mdlm,) = float64(draft), float64(mdlm)
+    return {"target": target, "draft": draft, "drafter": drafter, "head": head, "mdlm": mdlm}
+
+
+@pytest.fixture(scope="module")
+def static(eager):
+    return {"target": StaticModel(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1)),
+            "draft": StaticModel(eager["draft"], hot=(1,)),
+            "drafter": StaticDrafter(eager["drafter"]),
+            "head": eager["head"],  # the head's few tiny forwards stay eager
+            "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
+
+
+def decode(method, models, temperature, on_round=None):
+    """One method's tokens after PROMPT, seeded; methods with rounds pass on_round."""
+    g = torch.Generator().manual_seed(7)
+    t, common = models["target"], {"temperature": temperature, "generator": g, "stop_token": None}
+    if method == "ar":
+        return ar_generate(t, PROMPT, NEW, **common)[0]
+    if method == "spec":
+        return speculative_generate(t, models["draft"], PROMPT, NEW, K, on_round=on_round, **common)[0]
+    if method == "dflash":
+        return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, **common)[0]
+    if method == "ddtree":
+        return ddtree_generate(t, models["drafter"], PROMPT, NEW, budget=BUDGET, on_round=on_round, **common)[0]
+    if method == "eagle3":
+        return eagle_generate(t, models["head"], PROMPT, NEW, k=EAGLE_K, on_round=on_round, **common)[0]
+    assert method == "diffusion-cached"
+    return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
+
+
+METHODS = ["ar", "spec", "dflash", "ddtree", "eagle3", "diffusion-cached"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, temperature):
+    assert decode(method, static, temperature) == decode(method, eager, temperature)
+
+
+@pytest.mark.parametrize("method", ["spec", "dflash", "ddtree", "eagle3"])
+def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
+    def record(into):
+        def on_round(info):
+            caches = [info[name] for name in ("target_cache", "draft_cache") if name in info]
+            into.append([(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v]) for c in caches])
+        return on_round
+
+    ours, theirs = [], []
+    decode(method, static, 1.0, record(ours))
+    decode(method, eager, 1.0, record(theirs))
+    assert len(ours) == len(theirs) > 1
+    for round_ours, round_theirs in zip(ours, theirs):
+        for (n, rows), (m, reference) in zip(round_ours, round_theirs):
+            assert n == m
+            for a, b in zip(rows, reference):
+                assert_same(a, b, EXACT)
+
+
+def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
+    # Decode every method so the test stands alone, then check what was compiled.
+    for method in METHODS:
+        decode(method, static, 0.0)
+    compiled_counts = {key[0] for key in static["target"].step.seen}
+    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1} <= compiled_counts
+    assert static["drafter"].step.seen == {BLOCK} and {key[0] for key in static["draft"].step.seen} == {1}
+    assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
+    assert isinstance(static["target"].new_cache(1), StaticCache)
+
+
+def test_misuse_is_a_one_line_error(eager, static):
+    target = static["target"]
+    with pytest.raises(UserError, match="batch_size 1"):
+        target.new_cache(2)
+    with pytest.raises(UserError, match="its own caches"):
+        target(torch.tensor([[1]]), cache=eager["target"].new_cache(1))
+    cache = target.new_cache(1)
+    cache.advance(cache.capacity)
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        target(torch.tensor([[1]]), cache=cache)

@@ -1,0 +1,250 @@
+"""Decoding without launch overhead: static-shape forwards, compiled once per shape.
+
+gpt-fast's recipe (generate.py), kept apart from the eager code it speeds up. A decode step of a
+13M model is a few hundred tiny kernels; on a GPU its time is Python and launches, not arithmetic.
+Three things remove them:
+  1. a static KV cache (`StaticCache`): attention always reads all `capacity` rows, and a mask
+     built from the position ids (device tensors) hides the rows not yet valid. New keys/values are
+     written with `index_copy_` at rows held in a device tensor, so a step's shapes depend only on
+     how many tokens it reads, never on how long the sequence is;
+  2. `torch.compile(fullgraph=True, dynamic=False)` of that step, once per shape: a graph break is
+     an error, not a slow path;
+  3. on CUDA, `mode="reduce-overhead"`: the compiled step is captured as a CUDA graph and replayed.
+`StaticModel` and `StaticDrafter` wrap a model so that every decoding loop of the library runs
+unchanged on top of them (the loop, its sampling and its random numbers stay the eager ones):
+`speculative_generate(StaticModel(target), StaticModel(draft), ...)`. A loop reads back only what
+it already reads (accepted counts and committed tokens); the forwards themselves never wait for
+the host. Each wrapper compiles the token counts in `hot` (the steps a method repeats: 1 for AR
+decoding, k + 1 for a verify, the block or tree budget); any other count (the prefill, the last
+round's shorter verify) runs the same static function eagerly, so the tokens never depend on it.
+
+Leaves out: batches, the Triton kernels inside compiled steps (inductor fuses the masked
+attention itself; `kernels_enabled(False)` while a step runs), and SSD's threaded run-ahead.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.kernels import kernels_enabled
+from tinydiff.model import KVCache
+
+
+class StaticCache(KVCache):
+    """A KVCache whose readers see every row: `visible(T)` is the mask of what T new rows may read.
+
+    `length` (a host int) is the loop's bookkeeping, as in KVCache; crop() and keep() are KVCache's.
+    """
+
+    def __init__(self, config, batch_size, device, dtype, static_address=False):
+        super().__init__(config, batch_size, device, dtype)
+        if static_address:  # CUDA graphs replay fixed addresses: the buffers must never move
+            for t in self.k + self.v:
+                torch._dynamo.mark_static_address(t)
+
+    def write(self, layer: int, rows, k, v):
+        """k, v (B, H, T, D) into rows (T,) (a device tensor); returns the whole buffers (B, H, C, D)."""
+        self.k[layer].index_copy_(2, rows, k)
+        self.v[layer].index_copy_(2, rows, v)
+        return self.k[layer], self.v[layer]
+
+    def append(self, layer: int, k, v):
+        """KVCache.append at the rows after the valid ones; the whole buffers are returned."""
+        rows = torch.arange(self.length, self.length + k.shape[2], device=k.device)
+        return self.write(layer, rows, k, v)
+
+    def past(self, new_rows: int):
+        """All rows, and the mask (1, 1, 1, C + new_rows) that shows the valid ones and the new rows."""
+        C, device = self.capacity, self.k[0].device
+        mask = torch.arange(C + new_rows, device=device)
+        return self.k, self.v, ((mask < self.length) | (mask >= C)).view(1, 1, 1, -1)
+
+
+class RowWriter:
+    """What model.Attention calls `cache`: its append() writes at fixed rows of a StaticCache."""
+
+    def __init__(self, cache: StaticCache, rows):
+        self.cache, self.rows = cache, rows
+
+    def append(self, layer, k, v):
+        return self.cache.write(layer, self.rows, k, v)
+
+
+def static_forward(model, cache: StaticCache, idx, pos, rows, mask):
+    """model's forward for idx (1, T) at position ids pos (T,), its keys/values written into rows (T,).
+
+    mask: bool (T, C) over the cache's rows, or None for causal reading (row j visible to the token
+    at position p when j <= p: the rows of a chain are its positions). Returns logits (1, T, V) and
+    the residual stream before the first block and after each (L + 1 x (1, T, D)): one graph serves
+    every reader of hidden states (DFlash, EAGLE-3 and plain decoding). No host synchronisation.
+    """
+    T = idx.shape[1]
+    if mask is None:
+        mask = torch.arange(cache.capacity, device=idx.device)[None] <= pos[:, None]  # (T, C)
+    cos, sin = (c[pos].view(1, 1, T, -1) for c in (model.rope_cos, model.rope_sin))  # (1, 1, T, D/2)
+    x = model.embed(idx)  # (1, T, D)
+    hidden = [x]
+    writer = RowWriter(cache, rows)
+    for i, block in enumerate(model.blocks):
+        x = block(x, cos, sin, mask, False, writer, i)
+        hidden.append(x)
+    logits = F.linear(model.norm(x), model.embed.weight)  # (1, T, V), tied head
+    return logits, hidden
+
+
+def compile_step(fn, device):
+    """torch.compile for a decode step: whole graph or an error; CUDA graphs on CUDA."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    # Dynamo keeps one cache per code object: every wrapped model and every shape is an entry of
+    # static_forward's. Past the limit (8) it would run the rest eagerly, without a word.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+class Compiled:
+    """One step function, compiled per shape for the token counts in `hot`, eager for the rest.
+
+    `compile_seconds` sums the first call of each compiled shape (tracing, code generation and
+    that call's run), which a benchmark reports apart from decoding.
+    """
+
+    def __init__(self, fn, device, hot, compile=True):
+        self.fn, self.device, self.hot = fn, torch.device(device), set(hot)
+        self.compiled = compile_step(fn, device) if compile else None
+        self.seen, self.compile_seconds = set(), 0.0
+
+    def __call__(self, tokens: int, key, *args):
+        if self.compiled is None or tokens not in self.hot:
+            return self.fn(*args)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are consumed
+        if key in self.seen:
+            return self.compiled(*args)
+        start = time.perf_counter()
+        out = self.compiled(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.seen.add(key)
+        self.compile_seconds += time.perf_counter() - start
+        return out
+
+
+def detach_outputs(out, device):
+    """A CUDA graph's outputs live in its memory pool and are overwritten by the next replay."""
+    if device.type != "cuda":
+        return out
+    return tuple(o.clone() if isinstance(o, torch.Tensor) else [h.clone() for h in o] for o in out)
+
+
+class Wrapped:
+    """What StaticModel and StaticDrafter share: everything but the forward and the caches is the
+    wrapped module's. `__class__` answers as the module's class, so the loops' checks (isinstance)
+    see the model they expect."""
+
+    def __init__(self, module, forward, device, hot, compile):
+        self.module = module
+        self.step = Compiled(forward, device, hot, compile)
+
+    @property
+    def __class__(self):
+        return type(self.module)
+
+    def __getattr__(self, name):  # only called for what the wrapper lacks
+        return getattr(self.module, name)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.step.compile_seconds
+
+    def static_cache(self, config, weight) -> StaticCache:
+        return StaticCache(config, 1, weight.device, weight.dtype,
+                           static_address=self.step.compiled is not None and weight.is_cuda)
+
+
+class StaticModel(Wrapped):
+    """A Transformer whose caches are StaticCaches and whose forward is static_forward, compiled
+    for the token counts in `hot`."""
+
+    def __init__(self, model, hot=(1,), compile=True):
+        super().__init__(model, lambda *a: static_forward(model, *a), model.embed.weight.device, hot, compile)
+
+    def new_cache(self, batch_size: int = 1) -> StaticCache:
+        if batch_size != 1:
+            raise UserError("static decoding runs one sequence; pass batch_size 1")
+        return self.static_cache(self.module.config, self.module.embed.weight)
+
+    def __call__(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
+        """Transformer.forward's arguments, for the calls decoding makes: a StaticCache is required."""
+        if not isinstance(cache, StaticCache):
+            raise UserError("a StaticModel decodes with its own caches: pass cache=model.new_cache(1)")
+        if mask is None and causal is False:
+            raise UserError("a StaticModel reads causally or with an explicit mask")
+        T, past, device = idx.shape[1], cache.length, idx.device
+        if past + T > cache.capacity:
+            raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {cache.capacity}")
+        rows = torch.arange(past, past + T, device=device)
+        pos = rows if pos is None else pos
+        if mask is not None:  # (T, past + T) -> (T, C): rows past the sequence stay hidden
+            full = torch.zeros(T, cache.capacity, dtype=torch.bool, device=device)
+            full[:, :past + T] = mask
+            mask = full
+        with kernels_enabled(False):
+            out = self.step(T, (T, mask is None), cache, idx, pos, rows, mask)
+        logits, hidden = detach_outputs(out, device)
+        cache.advance(T)
+        logits = logits[:, head_from:]
+        return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
+
+
+class StaticDrafter(Wrapped):
+    """A DFlash drafter (tinydiff/dflash.py) whose context cache is a StaticCache: draft_block reads
+    all its rows behind a mask (StaticCache.past), so the drafting forward has one shape per block
+    size, compiled for the sizes in `hot`. extend() stays the drafter's own (eager)."""
+
+    def __init__(self, drafter, hot=None, compile=True):
+        hot = (drafter.config.block_size,) if hot is None else hot
+        super().__init__(drafter, drafter.forward, drafter.fc.weight.device, hot, compile)
+
+    def new_cache(self, batch_size: int = 1) -> StaticCache:
+        if batch_size != 1:
+            raise UserError("static decoding runs one sequence; pass batch_size 1")
+        return self.static_cache(self.module.layer_config, self.module.fc.weight)
+
+    def __call__(self, block, pos, ctx_k, ctx_v, mask=None):
+        T = block.shape[1]
+        with kernels_enabled(False):
+            out = self.step(T, T, block, pos, ctx_k, ctx_v, mask)
+        return detach_outputs((out,), block.device)[0]
+
+
+def hot_steps(method: str, *, k: int = 4, block_size: int = 16, budget: int | None = None,
+              block_length: int = 32, shift: int = 0) -> dict:
+    """What each model of a method's loop reads again and again, by role: the token counts to compile.
+
+    spec: the target verifies k + 1 tokens, the draft reads 1 (2 after a full acceptance); dflash:
+    a block of block_size both ways; ddtree: the root and `budget` nodes; eagle3: the chain's k + 1
+    or the tree's budget + 1 (its head stays eager); diffusion-cached: one block (with the finished
+    token before it for a shifted model), and the first step of a block, which reads the one before.
+    """
+    hot = {"ar": lambda: {"target": (1,)},
+           "spec": lambda: {"target": (k + 1,), "draft": (1, 2)},
+           "dflash": lambda: {"target": (block_size,), "drafter": (block_size,)},
+           "ddtree": lambda: {"target": (budget + 1,), "drafter": (block_size,)},
+           "eagle3": lambda: {"target": (k + 1 if budget is None else budget + 1,)},
+           "diffusion-cached": lambda: {"target": (block_length + shift, 2 * block_length + shift)}}
+    if method not in hot:
+        raise UserError(f"compiled decoding covers {', '.join(hot)}, not {method}")
+    return hot[method]()
+
+
+def wrap(models: dict, hot: dict, compile: bool = True) -> dict:
+    """models (role -> model) with each role in hot wrapped for static decoding (a DFlash drafter
+    as StaticDrafter, any Transformer as StaticModel); the other roles as they are."""
+    def static(role, model):
+        return (StaticDrafter if role == "drafter" else StaticModel)(model, hot[role], compile)
+    return {role: static(role, model) if role in hot else model for role, model in models.items()}
+
+
+def compile_seconds(models) -> float:
+    """Seconds the wrapped models among `models` spent compiling (tracing, code generation, first run)."""
+    return sum(m.compile_seconds for m in models if isinstance(m, Wrapped))  # type(m) is checked first
