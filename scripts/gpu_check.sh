@@ -11,11 +11,14 @@
 #   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given,
 #      at temperature 0 and 1
 #      (every method, the kernels in the model paths);
-#   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp16 and
+#   4. the same bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
+#      dflash-b16 and ddtree-n32 on `tiny`, and ar on an untrained `13m`: tokens/s, compile seconds,
+#      per-round draft / verify seconds (spec rows);
+#   5. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp16 and
 #      --dtype bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped.
 # Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR or
 # ../shared/tiktoken-cache; without them step 3 is skipped). Each step has a time limit, so the
-# whole script ends within 9 minutes; a step that fails or times out is reported and the others
+# whole script ends within 17 minutes (about 12 when the steps pass); a step that fails or times out is reported and the others
 # still run. Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -66,6 +69,18 @@ if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
     step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
     step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \
         --json "$LOGDIR/bench_t1.json" "$@"  # where users sample: acceptance by slot per row
+    COMPILED=ar,spec-k4,dflash-b16,ddtree-n32
+    step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 \
+        --json "$LOGDIR/bench_eager.json" "$@"
+    step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
+        --json "$LOGDIR/bench_compile.json" "$@"
+    M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
+    "$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.checkpoint import save_checkpoint
+c = preset('13m'); torch.manual_seed(0); save_checkpoint(sys.argv[1], kind='ar', config=c, model=Transformer(c))" "$M13"
+    step bench_13m_eager 60 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 \
+        --json "$LOGDIR/bench_13m_eager.json"
+    step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 --compile \
+        --json "$LOGDIR/bench_13m.json"
 else
     echo "bench          SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
         | tee -a "$LOGDIR/summary.txt"

@@ -10,6 +10,7 @@ only by float64 rounding, far below any argmax or sampling boundary. Compiling i
 """
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from eagle_models import random_head
 from stats_helpers import EXACT, assert_same, float64, random_drafter, random_model
 
@@ -106,6 +107,17 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert static["drafter"].step.seen == {BLOCK} and {key[0] for key in static["draft"].step.seen} == {1}
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
     assert isinstance(static["target"].new_cache(1), StaticCache)
+
+
+def test_a_hot_step_compiles_once_whatever_the_prompt(eager, static):
+    # Each prompt length gives the canvas other strides and the cache other lengths: none may be a
+    # new graph (one was, once: a slice of the canvas passed its strides to the step).
+    for prompt in (PROMPT, PROMPT[:2], PROMPT * 3):
+        generate_cached(static["mdlm"], prompt, 2 * CANVAS, 2 * CANVAS, CANVAS, 0.0)
+        speculative_generate(static["target"], static["draft"], prompt, NEW, K, 0.0)
+        if prompt is PROMPT:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_misuse_is_a_one_line_error(eager, static):

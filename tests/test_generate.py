@@ -238,6 +238,21 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         bench.main(["--methods", "nope"])
 
 
+@pytest.mark.compile
+def test_bench_compile_counts_as_eager_and_times_compiling_apart(ckpt, mdlm_ckpt, capsys):
+    args = ["--ckpt", str(ckpt), "--draft", str(ckpt), "--mdlm", str(mdlm_ckpt), "--methods", "ar,spec-k2,diffusion",
+            "--new-tokens", "6", "--prompts", "2"]
+    eager, compiled = bench.main(args), bench.main(args + ["--compile"])
+    out = capsys.readouterr().out
+    for plain, static in zip(eager["rows"], compiled["rows"]):
+        for key in ("target_forwards_per_token", "accepted_hist"):  # greedy: the same rounds, compiled or not
+            assert plain.get(key) == static.get(key)
+    rows = {r["method"]: r for r in compiled["rows"]}
+    assert rows["ar"]["compiled"] and rows["spec-k2"]["compiled"] and rows["spec-k2"]["compile_seconds"] > 0
+    assert rows["diffusion"]["compiled"] is False and "diffusion: eager (--compile does not cover it)" in out
+    assert "ar: compiled, " in out and not any(r["compiled"] for r in eager["rows"])
+
+
 def test_bench_decodes_held_out_openings_with_openings(ckpt, story_file, tmp_path, capsys):
     report = bench.main(["--ckpt", str(ckpt), "--methods", "ar,spec-k2", "--new-tokens", "4", "--prompts", "6",
                          "--openings", "--data", str(story_file)])

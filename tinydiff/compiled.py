@@ -183,7 +183,9 @@ class StaticModel(Wrapped):
         if past + T > cache.capacity:
             raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {cache.capacity}")
         rows = torch.arange(past, past + T, device=device)
-        pos = rows if pos is None else pos
+        # Fresh tensors: a slice of a longer canvas has its strides, and a new stride is a new graph.
+        idx = idx.flatten().clone().view(1, T)  # (1, T), strides (T, 1)
+        pos = rows if pos is None else pos.flatten().clone()  # (T,)
         if mask is not None:  # (T, past + T) -> (T, C): rows past the sequence stay hidden
             full = torch.zeros(T, cache.capacity, dtype=torch.bool, device=device)
             full[:, :past + T] = mask

@@ -14,6 +14,7 @@ import re
 import torch
 
 from tinydiff.ar import ar_generate
+from tinydiff.compiled import hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, set_routing
@@ -154,3 +155,26 @@ def block_of(method: str) -> int | None:
 USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion", "dmoe"))},
         **{name: "distilled" for name in METHODS if name.startswith("diffusion-distilled")},
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}
+
+
+def compiled_models(method: str, models: dict, args) -> dict | None:
+    """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
+    None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
+    samplers (no cache to make static) and dMoE (routing has no fixed shapes)."""
+    if method == "ar":
+        return wrap(models, hot_steps("ar"))
+    if method.startswith("spec-k"):
+        return wrap(models, hot_steps("spec", k=int(method[len("spec-k"):])))
+    if block_of(method):
+        return wrap(models, hot_steps("dflash", block_size=block_of(method)))
+    if method.startswith("ddtree-n"):
+        block = models["drafter"].config.block_size
+        return wrap(models, hot_steps("ddtree", block_size=block, budget=int(method[len("ddtree-n"):])))
+    if method.startswith("eagle3-"):
+        return wrap(models, hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32))
+    role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
+    if method in ("diffusion-cached", "diffusion-entropy") or role == "distilled":
+        block = min(32, args.new_tokens)  # run_diffusion's blocks
+        hot = hot_steps("diffusion-cached", block_length=block, shift=int(models[role].config.shift))
+        return wrap(models, {role: hot["target"]})
+    return None

@@ -33,10 +33,11 @@ import sys
 from tqdm import tqdm
 
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES, block_of
+from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models
 from tinydiff.bench.report import write_report
 from tinydiff.checks import COUNT, NATS, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, make_parser
+from tinydiff.compiled import compile_seconds
 from tinydiff.errors import UserError
 from tinydiff.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
@@ -64,6 +65,8 @@ def parse_args(argv=None):
                    "(--data's validation split, 8 tokens each, as --report does) instead of the fixed prompts")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy, the same text for every method")
     p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
+    p.add_argument("--compile", action="store_true", help="decode with static-shape steps compiled by torch.compile "
+                   "(CUDA graphs on a GPU), compiled in the untimed warm-up; methods it does not cover run eagerly")
     add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
@@ -100,8 +103,10 @@ def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict],
     rows = []
     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
         nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
-        rows.append({"method": name, **measure(METHODS[name], models, prompts, args),
-                     "heldout_nll": nll_row, "heldout_bpb": bpb_row})
+        static = compiled_models(name, models, args) if args.compile else None
+        rows.append({"method": name, **measure(METHODS[name], static or models, prompts, args),
+                     "heldout_nll": nll_row, "heldout_bpb": bpb_row, "compiled": static is not None,
+                     "compile_seconds": compile_seconds(static.values()) if static else None})
     ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
     for row in rows:
@@ -137,6 +142,10 @@ def print_table(rows: list[dict], c: float):
           "loop costs: the same with c and the verify's 1 replaced by what one draft and one verify "
           "took inside the loop, in `ar` decoding steps")
     for r in rows:
+        if r.get("compiled"):
+            print(f"{r['method']}: compiled, {r['compile_seconds']:.1f} s compiling in the untimed warm-up")
+        elif r.get("compiled") is False and any(row.get("compiled") for row in rows):
+            print(f"{r['method']}: eager (--compile does not cover it)")
         if "loop_c" in r:
             print(f"{r['method']}: one draft {r['loop_c']:.2f}, one verify {r['loop_v']:.2f} `ar` steps")
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
