@@ -44,3 +44,11 @@ def tiny_model(tiny_config):
     from tinydiff.model import Transformer
     torch.manual_seed(0)
     return Transformer(tiny_config).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `compile` tests run last (a stable sort keeps every other order). Once inductor has compiled
+    in a process, Triton's interpreter there fails ("Cannot call @triton.jit'd outside of the scope of
+    a kernel"), and the kernel tests run their kernels in it. Importing torch._dynamo does the same, so
+    a test module imports it inside its compile tests, never at the top."""
+    items.sort(key=lambda item: item.get_closest_marker("compile") is not None)

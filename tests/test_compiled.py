@@ -10,7 +10,6 @@ only by float64 rounding, far below any argmax or sampling boundary. Compiling i
 """
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from eagle_models import random_head
 from stats_helpers import EXACT, assert_same, float64, random_drafter, random_model
 
@@ -110,6 +109,7 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
 
 
 def test_a_hot_step_compiles_once_whatever_the_prompt(eager, static):
+    from torch._dynamo.utils import counters  # here, not at import: see conftest.pytest_collection_modifyitems
     # Each prompt length gives the canvas other strides and the cache other lengths: none may be a
     # new graph (one was, once: a slice of the canvas passed its strides to the step).
     for prompt in (PROMPT, PROMPT[:2], PROMPT * 3):

@@ -211,6 +211,7 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert len(spec["accepted_hist"]) == k + 1 and len(spec["acceptance_by_slot"]) == k
         assert spec["alpha"] == pytest.approx(sum(spec["slot_kept"]) / sum(spec["slot_judged"]))  # kept / judged
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
+        assert set(spec["us_per_round"]) == {"draft", "verify", "host"} and min(spec["us_per_round"].values()) > 0
     assert report["draft_target_cost_c"] > 0
     for name in ("ssd-f1", "ssd-f3", "ssd-f8", "ssd-g1", "ssd-g2"):  # greedy: the rounds of spec-k4, cached or not
         assert rows[name]["accepted_hist"] == rows["spec-k4"]["accepted_hist"] and 0 <= rows[name]["hit_rate"] <= 1

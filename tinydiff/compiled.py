@@ -32,7 +32,7 @@ from tinydiff.model import KVCache
 
 
 class StaticCache(KVCache):
-    """A KVCache whose readers see every row: `visible(T)` is the mask of what T new rows may read.
+    """A KVCache whose readers see every row, behind a mask (`past`): its shapes never change.
 
     `length` (a host int) is the loop's bookkeeping, as in KVCache; crop() and keep() are KVCache's.
     """

@@ -75,6 +75,10 @@ def measure(method, models, prompts, args) -> dict:
     if "draft_seconds" in totals:  # the loop's own costs, for Leviathan's formula with real prices
         row["seconds_per_draft"] = totals["draft_seconds"] / totals["proposed"]
         row["seconds_per_verify"] = totals["verify_seconds"] / totals["target_forwards"]
+        rounds = sum(totals["accepted"])  # per round: drafting, verifying, and the loop's own work around them
+        row["us_per_round"] = {"draft": 1e6 * totals["draft_seconds"] / rounds,
+                               "verify": 1e6 * totals["verify_seconds"] / rounds,
+                               "host": 1e6 * (totals["seconds"] - totals["draft_seconds"] - totals["verify_seconds"]) / rounds}
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))

@@ -148,6 +148,8 @@ def print_table(rows: list[dict], c: float):
             print(f"{r['method']}: eager (--compile does not cover it)")
         if "loop_c" in r:
             print(f"{r['method']}: one draft {r['loop_c']:.2f}, one verify {r['loop_v']:.2f} `ar` steps")
+        if "us_per_round" in r:
+            print(f"{r['method']}: per round " + ", ".join(f"{us:.0f} us {part}" for part, us in r["us_per_round"].items()))
     spec4 = next((r["tokens_per_s"] for r in rows if r["method"] == "spec-k4"), None)
     for r in rows:
         if "hit_rate" in r:
