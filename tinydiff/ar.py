@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
+from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import EOT
@@ -22,7 +23,7 @@ def ar_loss(model, windows, generator=None):
     """
     x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
     logits = model(x, causal=True)  # (B, T, V)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    loss = F.cross_entropy(logits.flatten(0, 1).to(wide(logits.dtype)), y.flatten())
     return loss, {"ce": loss.detach()}
 
 

@@ -62,8 +62,14 @@ class Ranks:
         self.device = device
         return device
 
-    def stop(self):
+    def stop(self, finished: bool):
+        """Leave the process group. After a finished run (or a stop request, which every rank obeys at
+        the same step) each rank first waits for the others: rank 0 saves last, and a rank that left
+        gloo's group while another still used it could abort at exit ("terminate called without an
+        active exception"). After an error there is no waiting: the others may never arrive."""
         if self.world > 1 and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
     @contextmanager

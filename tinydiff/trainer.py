@@ -237,12 +237,13 @@ def main(argv=None):
     quiet = not ranks.main  # rank 0 alone prints, draws bars and writes
     with open(os.devnull, "w") if quiet else nullcontext(sys.stdout) as stdout, \
             progress.routed_to(functools.partial(tqdm, disable=True)) if quiet else nullcontext():
-        sys.stdout, before = stdout, sys.stdout
+        sys.stdout, before, finished = stdout, sys.stdout, False
         try:
             train(args, ranks, run, out, ckpt, precision, device)
+            finished = True
         finally:
             sys.stdout = before
-            ranks.stop()
+            ranks.stop(finished)
 
 
 def train(args, ranks, run: dict, out: Path, ckpt, precision, device: str):
