@@ -32,12 +32,12 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
-from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, SEED, TEMPERATURE
+from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.compiled import compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
-from tinydiff.dflash_decode import dflash_generate
+from tinydiff.dflash_decode import RULES, dflash_generate
 from tinydiff.dmoe import moe_stats, reset_stats, routing_from_flags
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
@@ -59,6 +59,7 @@ DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshol
 USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
            "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
+           "rule": ("dflash",), "min_confidence": ("dflash",),
            "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion"),
            **{key: ("diffusion",) for key in DIFFUSION_FLAGS}}
 
@@ -92,6 +93,10 @@ def parse_args(argv=None):
                            "(0,0,0,0,1: only after all 4 drafts pass, the fastest on a CPU)")
     spec.add_argument("--drafter", help="--method dflash/ddtree: the DFlash drafter; --method eagle3: the EAGLE-3 head")
     spec.add_argument("--block-size", type=BLOCK, help="--method dflash/ddtree: block size (default: the drafter's)")
+    spec.add_argument("--rule", choices=list(RULES), help="--method dflash: keep argmax drafts that match the "
+                      "target's samples (match, the default) or sample them and apply the rejection rule (reject)")
+    spec.add_argument("--min-confidence", type=PROBABILITY, help="--method dflash: verify only the drafts before the "
+                      "first one the drafter gives under this probability (DSpark's verify length)")
     spec.add_argument("--budget", type=COUNT, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "
                       "instead of a chain of --k)")
     spec.add_argument("--branch", type=COUNT, default=4, help="--method eagle3 with --budget: children per tree node")
@@ -199,7 +204,8 @@ def run_speculative(model, prompt, args, generator, warping):
         model, drafter = compiled(args, "ddtree", target=model, drafter=drafter, block_size=block_size, budget=budget)
         return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
     model, drafter = compiled(args, "dflash", target=model, drafter=drafter, block_size=block_size)
-    return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator)
+    return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator,
+                           rule=args.rule or "match", min_confidence=args.min_confidence)
 
 
 def compiled(args, method, k=4, block_size=16, budget=None, block_length=32, shift=0, **models):

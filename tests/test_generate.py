@@ -122,8 +122,14 @@ def test_dflash_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
     dflash = json.loads(run(*common, "--method", "dflash", "--drafter", tmp_path / "drafter.pt").stdout)
     vllm = '{"method": "dflash", "model": "%s", "num_speculative_tokens": 2}' % (tmp_path / "drafter.pt")
     via_config = json.loads(run(*common, "--speculative-config", vllm).stdout)
-    assert dflash["ids"] == ar["ids"] == via_config["ids"]
+    scheduled = json.loads(run(*common, "--method", "dflash", "--drafter", tmp_path / "drafter.pt", "--rule", "reject",
+                               "--min-confidence", 0.5).stdout)  # an untrained drafter: one draft verified a round
+    assert dflash["ids"] == ar["ids"] == via_config["ids"] == scheduled["ids"]
     assert len(dflash["stats"]["accepted"]) == 4 and len(via_config["stats"]["accepted"]) == 3
+    assert scheduled["stats"]["slot_judged"][0] > 0 and not any(scheduled["stats"]["slot_judged"][1:])
+    res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "ddtree", "--drafter", tmp_path / "drafter.pt",
+              "--min-confidence", 0.5)
+    assert "--min-confidence" in res.stderr.strip().splitlines()[-1] and res.returncode != 0
     res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "dflash", "--drafter", ckpt)
     assert "not a dflash drafter" in res.stderr.strip().splitlines()[-1]
 
@@ -213,6 +219,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
         assert set(spec["us_per_round"]) == {"draft", "verify", "host"} and min(spec["us_per_round"].values()) > 0
     assert report["draft_target_cost_c"] > 0
+    for name in ("dflash-b16-sched", "dflash-b16-reject-sched"):  # an untrained drafter is never 0.3 sure of a
+        assert rows[name]["slot_judged"][0] > 0 and not any(rows[name]["slot_judged"][1:])  # token: one draft a round
     for name in ("ssd-f1", "ssd-f3", "ssd-f8", "ssd-g1", "ssd-g2"):  # greedy: the rounds of spec-k4, cached or not
         assert rows[name]["accepted_hist"] == rows["spec-k4"]["accepted_hist"] and 0 <= rows[name]["hit_rate"] <= 1
     for n in (8, 16, 32, 64, 128):

@@ -60,9 +60,9 @@ def test_greedy_drafts_are_the_argmax_chain_of_the_biased_logits_and_the_output_
         previous = int(row[:MASK].argmax())
         chain.append(previous)
         rows.append(row)
-    drafts, q = argmax_drafts(logits, (0.0, None, None), None, markov.markov, 464)
+    drafts, q, _ = argmax_drafts(logits, (0.0, None, None), None, markov.markov, 464)
     assert drafts.tolist() == chain and q is None and chain != logits[:, :MASK].argmax(-1).tolist()
-    sampled, q = sampled_drafts(logits, (0.0, None, None), None, markov.markov, 464)  # "reject" at T = 0
+    sampled, q, _ = sampled_drafts(logits, (0.0, None, None), None, markov.markov, 464)  # "reject" at T = 0
     assert sampled.tolist() == chain and torch.equal(q, next_token_probs(torch.stack(rows), 0.0))
     prompt = [EOT, 464]
     for rule in ("match", "reject"):  # lossless at T = 0: the target's greedy text

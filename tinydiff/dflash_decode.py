@@ -24,12 +24,17 @@ prompt[:-1] fills both (skipped for a one-token prompt): target_forwards = round
 
 A drafter with DSpark's Markov head (tinydiff/markov_head.py) drafts the same one forward, then
 picks its slots left to right through the head: argmax, or sampled for "reject".
+DSpark's confidence-scheduled verify length (`min_confidence`): the target verifies only the drafts
+before the first slot the drafter itself gives under that probability (at least one). A shorter
+verify is still the rule above on fewer drafts, so it stays lossless; DSpark predicts acceptance
+with a trained confidence head, here the drafter's own probability of its draft stands in for it.
 Leaves out: batches, draft trees (see ddtree.py), iterative refinement of the block.
 """
 
 import torch
 
 from tinydiff.ar import check_prompt
+from tinydiff.checks import PROBABILITY
 from tinydiff.dflash import DFlashDrafter, draft_block
 from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
@@ -54,22 +59,34 @@ def sample_and_match(p, drafts, generator=None, greedy=False):
 
 def argmax_drafts(logits, warp_args, generator=None, markov=None, first_token=None):
     """The "match" rule's drafts (K,): the drafter's argmax per slot (never MASK); no q is needed.
-    With a Markov head, the argmax chain of the biased logits, left to right from first_token."""
+    With a Markov head, the argmax chain of the biased logits, left to right from first_token.
+    Returns (drafts, q = None, the rows (K, V) the drafts were picked from)."""
     if markov is not None:
-        return draft_left_to_right(markov, logits, first_token, lambda row: argmax_drafts(row, warp_args)[0])[0], None
-    return next_token_probs(logits, 0, None, None).argmax(-1), None
+        drafts, rows = draft_left_to_right(markov, logits, first_token, lambda row: argmax_drafts(row, warp_args)[0])
+        return drafts, None, rows
+    return next_token_probs(logits, 0, None, None).argmax(-1), None, logits
 
 
 def sampled_drafts(logits, warp_args, generator=None, markov=None, first_token=None):
     """The "reject" rule's drafts (K,), sampled from q (K, V), the slots warped exactly like the target
     (one-hot q at T = 0), and q itself, which the rejection rule needs. With a Markov head each slot
-    is sampled from its row biased by the draft before it, and q holds those rows' distributions."""
+    is sampled from its row biased by the draft before it, and q holds those rows' distributions.
+    Returns (drafts, q, the rows (K, V) the drafts were drawn from)."""
     if markov is not None:
         drafts, rows = draft_left_to_right(markov, logits, first_token,
                                            lambda row: sampled_drafts(row, warp_args, generator)[0])
-        return drafts, next_token_probs(rows, *warp_args)
+        return drafts, next_token_probs(rows, *warp_args), rows
     q = next_token_probs(logits, *warp_args)
-    return (sample(q, generator) if warp_args[0] > 0 else q.argmax(-1)), q
+    return (sample(q, generator) if warp_args[0] > 0 else q.argmax(-1)), q, logits
+
+
+def confident_prefix(rows, drafts, min_confidence: float) -> int:
+    """DSpark's verify length: how many drafts come before the first slot whose predicted acceptance,
+    the drafter's own unwarped probability of its draft, is under min_confidence. At least one: the
+    drafter forward is paid already, and a verify of two tokens costs about what one costs."""
+    confidence = next_token_probs(rows.float(), 1.0).gather(-1, drafts[:, None])[:, 0]  # (K,)
+    low = (confidence < min_confidence).nonzero()
+    return max(1, int(low[0])) if len(low) else len(drafts)
 
 
 def match(p, drafts, q, generator=None, greedy=False):
@@ -115,12 +132,14 @@ def prefill_caches(target, drafter, prompt, target_cache, draft_cache) -> int:
 
 @torch.no_grad()
 def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
-                    top_p=None, generator=None, stop_token=EOT, on_round=None, rule="match"):
+                    top_p=None, generator=None, stop_token=EOT, on_round=None, rule="match",
+                    min_confidence=None):
     """Decode after `prompt` (list of ids); each round drafts a block of block_size (default the
     drafter's B) and commits 1..B tokens. Stops after max_new_tokens (None: fill the context) or
     after emitting stop_token (None: never; tokens after it in the same round are dropped).
     on_round(info) is called after every round with: drafts, accepted (n), tokens (committed this
     round), seq (prompt + everything committed), target_cache, draft_cache (both rolled back).
+    min_confidence (None: verify every draft): DSpark's confidence-scheduled verify length.
 
     Returns (new ids, tally.Speculated): accepted over n = 0..B-1, forwards = rounds + the prefill,
     one draft forward per round that drafted.
@@ -128,6 +147,8 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
     draw, judge = RULES[rule]
+    if min_confidence is not None:
+        PROBABILITY.check("min_confidence", min_confidence)
     check_warp_args(temperature, top_k, top_p)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
@@ -144,7 +165,10 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
         if n_drafts:  # draft: ONE drafter forward for the block
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
-            drafts, q = draw(logits, warp_args, generator, drafter.markov, seq[-1])
+            drafts, q, rows = draw(logits, warp_args, generator, drafter.markov, seq[-1])
+            if min_confidence is not None:  # verify only the drafts the drafter is sure enough of
+                m = confident_prefix(rows, drafts, min_confidence)
+                drafts, q = drafts[:m], None if q is None else q[:m]
         x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
         logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
         n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
@@ -154,7 +178,7 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         out += tokens
         target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
         drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])  # the inputs now committed
-        tally.add(n, n_drafts, int(n_drafts > 0))  # one drafter forward per round that drafted
+        tally.add(n, len(drafts), int(n_drafts > 0))  # one drafter forward per round that drafted
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
                       "target_cache": target_cache, "draft_cache": draft_cache})

@@ -80,12 +80,13 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
             "modelled_seconds_sd": result.modelled_seconds_sd, "modelled_seconds_ssd": result.modelled_seconds_ssd}
 
 
-def run_dflash(models, prompt, args, generator, block_size, rule="match"):
+def run_dflash(models, prompt, args, generator, block_size, rule="match", min_confidence=None):
     """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies
     (dflash_decode.RULES: "match" drafts the drafter's argmax, "reject" samples it and applies the
-    rejection rule)."""
+    rejection rule), all of them or (min_confidence) those before the first the drafter is unsure of."""
     ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
-                                  args.temperature, generator=generator, stop_token=None, rule=rule)
+                                  args.temperature, generator=generator, stop_token=None, rule=rule,
+                                  min_confidence=min_confidence)
     return chain_counts(ids, result)
 
 
@@ -131,6 +132,9 @@ METHODS = {
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
     "dflash-b16-reject": lambda *a: run_dflash(*a, block_size=16, rule="reject"),
+    # DSpark's confidence-scheduled verify length, --min-confidence
+    "dflash-b16-sched": lambda *a: run_dflash(*a, block_size=16, min_confidence=a[2].min_confidence),
+    "dflash-b16-reject-sched": lambda *a: run_dflash(*a, block_size=16, rule="reject", min_confidence=a[2].min_confidence),
     **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},
     "eagle3-chain": lambda *a: run_eagle(*a, k=4),
     "eagle3-tree": lambda *a: run_eagle(*a, k=6, budget=32),

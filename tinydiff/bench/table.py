@@ -19,7 +19,8 @@ at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a pr
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 `dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
 `dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
-the second keeps a draft with probability min(1, p/q) instead of p(argmax).
+the second keeps a draft with probability min(1, p/q) instead of p(argmax). `-sched` verifies only
+the drafts before the first the drafter gives under --min-confidence (DSpark's verify length).
 Every speculative row adds a line: its accepted-length histogram (rounds that kept n drafts) and
 its acceptance by slot (slot k kept given slots < k were: DSpark's per-position curve; for a tree,
 the accepted path going one deeper). `--openings` decodes --prompts openings of held-out stories
@@ -35,7 +36,7 @@ from tqdm import tqdm
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
 from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models
 from tinydiff.bench.report import write_report
-from tinydiff.checks import COUNT, NATS, SEED, TEMPERATURE
+from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, make_parser
 from tinydiff.compiled import compile_seconds
 from tinydiff.errors import UserError
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--distilled", help="diffusion LM distilled for parallel decoding, train.py --distill "
                    "(default: an untrained tiny model)")
     p.add_argument("--entropy-bound", type=NATS, default=0.5, help="nats, for the *-entropy rows (EB-Sampler)")
+    p.add_argument("--min-confidence", type=PROBABILITY, default=0.3, help="for the dflash-*-sched rows: verify "
+                   "the drafts before the first one the drafter gives under this probability")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
