@@ -70,7 +70,7 @@ EXACT = 2e-12
 def assert_same(ours, theirs, bound=EXACT):
     """Two float64 paths agree within bound x theirs' largest magnitude (float64 rounding only)."""
     assert ours.dtype == theirs.dtype == torch.float64, (ours.dtype, theirs.dtype)
-    error, scale = float((ours - theirs).abs().max()), float(theirs.abs().max())
+    error, scale = float((ours - theirs).detach().abs().max()), float(theirs.detach().abs().max())
     assert error <= bound * scale, f"max |diff| {error:.3g} > {bound:g} x {scale:.3g}"
 
 

@@ -4,6 +4,7 @@ from itertools import combinations
 
 import pytest
 import torch
+from stats_helpers import assert_same
 
 from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, balance_loss, block_mass, block_routing,
                            mdlm_moe_loss, moe_config, moe_layers, moe_stats, param_counts,
@@ -192,18 +193,18 @@ def test_threshold_one_with_guard_E_is_token_routing(shared):
 @pytest.mark.parametrize("routing", ["token", "block"])
 def test_the_layer_mixes_each_tokens_experts_by_its_weights(routing):
     layer = MoEFeedForward(MoEConfig(d_model=16, d_ff=32, n_experts=6, moe_top_k=2, routing=routing,
-                                     route_block=4, route_guard=2)).eval()
+                                     route_block=4, route_guard=2)).eval().double()  # float64: exact paths
     torch.nn.init.normal_(layer.router.weight, std=1.0)
-    x = torch.randn(2, 9, 16)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
     out = layer(x)
     weights, experts = layer.last["weights"], layer.last["experts"]
     probs = layer.router(x).softmax(-1)
     for b in range(2):
         for t in range(9):
-            assert torch.allclose(weights[b, t], probs[b, t, experts[b, t]] / probs[b, t, experts[b, t]].sum())
+            assert_same(weights[b, t], probs[b, t, experts[b, t]] / probs[b, t, experts[b, t]].sum())
             ref = layer.shared(x[b, t]) + sum(w * layer.experts[e](x[b, t])
                                               for w, e in zip(weights[b, t], experts[b, t].tolist()))
-            assert torch.allclose(out[b, t], ref, atol=1e-6)
+            assert_same(out[b, t], ref)
 
 
 @torch.no_grad()

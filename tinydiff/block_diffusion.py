@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tinydiff.diffusion import bound_summary, check_elbo_input, elbo, mdlm_loss, sample_t, subs_logits
 from tinydiff.errors import UserError
+from tinydiff.model import wide
 from tinydiff.tokenizer import MASK
 
 
@@ -66,7 +67,7 @@ def block_masked_ce(model, x, noisy, masked, block: int):
     pos = torch.arange(T, device=x.device).repeat(2)  # (2T,) the noisy copy reuses the positions
     mask = clean_and_noisy_mask(T, block, x.device)
     logits = model(torch.cat([x, noisy], 1), pos=pos, mask=mask, head_from=T)  # (B, T, V): the noisy half
-    logits = subs_logits(logits.float(), inplace=True)
+    logits = subs_logits(logits.to(wide(logits.dtype)), inplace=True)  # float64 stays (exact tests)
     return F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(B, T) * masked
 
 

@@ -39,6 +39,7 @@ from tinydiff.dflash import DFlashDrafter, draft_block
 from tinydiff.drafter import check_target
 from tinydiff.errors import UserError
 from tinydiff.markov_head import draft_left_to_right
+from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, verify
 from tinydiff.tally import Tally
@@ -84,7 +85,7 @@ def confident_prefix(rows, drafts, min_confidence: float) -> int:
     """DSpark's verify length: how many drafts come before the first slot whose predicted acceptance,
     the drafter's own unwarped probability of its draft, is under min_confidence. At least one: the
     drafter forward is paid already, and a verify of two tokens costs about what one costs."""
-    confidence = next_token_probs(rows.float(), 1.0).gather(-1, drafts[:, None])[:, 0]  # (K,)
+    confidence = next_token_probs(rows.to(wide(rows.dtype)), 1.0).gather(-1, drafts[:, None])[:, 0]  # (K,)
     low = (confidence < min_confidence).nonzero()
     return max(1, int(low[0])) if len(low) else len(drafts)
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
+from tinydiff.model import wide
 from tinydiff.tokenizer import MASK
 
 EPS = 1e-3  # t is drawn from (EPS, 1): the 1/t weight stays finite
@@ -76,8 +77,9 @@ def scored_tokens(model, x) -> int:
 
 
 def masked_token_ce(model, x, noisy, masked):
-    """-log p(x_i | noisy) at masked positions, 0 elsewhere: (B, T) float32."""
-    logits = subs_logits(model(noisy, causal=False).float(), inplace=True)  # (B, T, V)
+    """-log p(x_i | noisy) at masked positions, 0 elsewhere: (B, T) float32 (float64 for a float64 model)."""
+    logits = model(noisy, causal=False)  # (B, T, V)
+    logits = subs_logits(logits.to(wide(logits.dtype)), inplace=True)
     # A shifted model's output i scores token i+1; rolling the targets (not the large logits) avoids
     # a copy. The wrapped-around target of the last output lands on position 0, which is never masked.
     target = x.roll(-1, 1) if model.config.shift else x

@@ -55,7 +55,7 @@ from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, check_fields
 from tinydiff.errors import UserError
 from tinydiff.fp4 import check_format
-from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer
+from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, wide
 from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
@@ -219,7 +219,8 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):
         start = self._clock(x)
         B, T, D = x.shape
-        logits = self.router(x).float()  # (B, T, E), float32 even under autocast
+        logits = self.router(x)
+        logits = logits.to(wide(logits.dtype))  # (B, T, E), float32 even under autocast (float64 stays)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         coreset = None
         if self.routing == "block":

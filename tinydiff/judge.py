@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tinydiff.errors import UserError
+from tinydiff.model import wide
 from tinydiff.tokenizer import EOT
 
 
@@ -35,7 +36,7 @@ def sample_nlls(judge, samples: list[list[int]], prefix=(EOT,)) -> tuple[list[fl
             continue
         seq = torch.tensor([list(prefix) + ids], device=device)  # (1, P + n)
         logits = judge(seq[:, :-1], causal=True)[0, len(prefix) - 1:]  # (n, V): predicts each sample token
-        nlls.append(F.cross_entropy(logits.float(), seq[0, len(prefix):], reduction="sum").item())
+        nlls.append(F.cross_entropy(logits.to(wide(logits.dtype)), seq[0, len(prefix):], reduction="sum").item())
         counts.append(len(ids))
     if not counts:
         raise UserError("no sample has any tokens to score")
