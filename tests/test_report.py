@@ -3,6 +3,7 @@ model the bench uses (continuing a run that Ctrl-C stopped), runs every method, 
 section of DIR/RESULTS.md between the markers, keeping the hand-written rest of the file byte for
 byte; a second run reuses the trained models and replaces the section; plots appear exactly when
 matplotlib is importable; a user's mistakes are one-line UserErrors raised before any training."""
+import argparse
 import itertools
 import os
 import signal
@@ -18,6 +19,7 @@ from tinydiff.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.bench.report import END, PLOTS, ROLES, START, splice
+from tinydiff.bench.temperatures import parse_temperatures
 
 HAND = "\nEvery number here was measured.\n\n## An older section\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
 
@@ -83,12 +85,14 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
 
     plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
     if find_spec("matplotlib"):
-        assert plots == sorted(PLOTS) and all(f"(plots/{name})" in generated for name in PLOTS)
+        made = sorted(set(PLOTS) - {"acceptance_by_slot.png"})  # that one only with --temperatures
+        assert plots == made and all(f"(plots/{name})" in generated for name in made)
     else:
         assert plots == [] and "Plots skipped" in generated
 
     logs = {role: (root / role / "train.log").read_text() for role in ROLES}
-    second = report(stories, "--methods", "ar,spec-k2", "--prompts", "6")  # more openings than the fixed prompts
+    second = report(stories, "--methods", "ar,spec-k2", "--prompts", "6",  # more openings than the fixed prompts
+                    "--temperatures", "0,1")
     assert {role: (root / role / "train.log").read_text() for role in ROLES} == logs  # nothing retrained
     text = Path("docs/RESULTS.md").read_text(encoding="utf-8")
     assert text.count(START) == text.count(END) == 1 and outside(text) == "# Results\n\n\n" + HAND
@@ -96,8 +100,18 @@ def test_report_trains_measures_and_keeps_the_hand_written_file(stories, tmp_pat
     assert [r["method"] for r in second["rows"]] == ["ar", "spec-k2"] and len(second["prompts"]) == 6
     assert "| ar | " in generated and "| spec-k4 | " not in generated  # replaced, not appended
     assert "minutes, every model reused." in generated
+    # --temperatures: ar and spec-k2 again at T = 0 and 1; at 0 (the table's temperature, the same seed and
+    # openings) spec-k2 makes the table's very rounds, at 1 it samples other ones
+    sampled = second["temperatures"]
+    assert list(sampled) == [0.0, 1.0] and all([r["method"] for r in rows] == ["ar", "spec-k2"] for rows in sampled.values())
+    table_row, at_0, at_1 = second["rows"][1], sampled[0.0][1], sampled[1.0][1]
+    assert at_0["accepted_hist"] == table_row["accepted_hist"] and at_0["tau"] == table_row["tau"]
+    assert 0 <= at_1["alpha"] <= 1 and sampled[1.0][0]["speedup_vs_ar"] == 1
+    section = generated.split("### Where users sample")[1]
+    assert section.count("\n| spec-k2 | 0 | ") == section.count("\n| spec-k2 | 1 | ") == 1 and "\n| ar | " not in section
     plots = sorted(p.name for p in Path("docs/plots").glob("*.png")) if Path("docs/plots").exists() else []
-    assert plots == (["accepted_lengths.png"] if find_spec("matplotlib") else [])  # no stale plot survives
+    # no stale plot survives
+    assert plots == (["acceptance_by_slot.png", "accepted_lengths.png"] if find_spec("matplotlib") else [])
 
 
 def test_splice_keeps_every_byte_outside_the_markers():
@@ -126,6 +140,7 @@ def wrong_kind(path):
     (["--report", "docs", "--new-tokens", "500"], "--new-tokens must lie in"),
     (["--report", "bad-markers"], "leave one pair"),
     (["--prompts", "5"], r"--prompts must lie in \[1, 4\]"),
+    (["--temperatures", "0,1"], "--temperatures adds a section to --report's RESULTS.md: add --report DIR"),
 ])
 def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -148,3 +163,13 @@ def test_the_readme_shows_the_results_table_docs_holds():
         return [line.lstrip("#") for line in block.splitlines() if line.startswith(("|", "Device:", "#"))]
     results = table((root / "docs/RESULTS.md").read_text(encoding="utf-8"))
     assert len(results) > 3 and table((root / "README.md").read_text(encoding="utf-8")) == results
+
+
+def test_temperatures_parse_as_a_list_and_refuse_repeats_and_bad_values(capsys):
+    assert parse_temperatures("0,0.8,1") == [0.0, 0.8, 1.0]
+    for bad, message in (("0,0", "lists a temperature twice"), ("0,-1", "got '-1'"), ("0,,1", "got ''")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_temperatures(bad)
+    with pytest.raises(SystemExit) as exit_:  # as the bench's flag: argparse's one line, status 2
+        bench.main(["--report", "docs", "--temperatures", "1,1"])
+    assert exit_.value.code == 2 and "lists a temperature twice" in capsys.readouterr().err.strip().splitlines()[-1]

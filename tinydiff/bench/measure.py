@@ -3,7 +3,9 @@
 the prompts (`measure`), held-out NLL and bits per byte, and the device's name for the tables.
 """
 import platform
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -44,6 +46,19 @@ def device_name(device: str) -> str:
         pass
     threads = torch.get_num_threads()
     return f"{cpu} CPU, {threads} thread{'s' * (threads != 1)}"
+
+
+def git_commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it; "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "HEAD", "--quiet"], cwd=root, capture_output=True)
+    except OSError:  # no git installed
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.returncode else "")
 
 
 def measure(method, models, prompts, args) -> dict:

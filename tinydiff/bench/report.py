@@ -25,7 +25,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 from contextlib import redirect_stdout
 from importlib.util import find_spec
@@ -35,8 +34,11 @@ import torch
 from tqdm import tqdm
 
 from tinydiff import progress, regenerate, trainer
-from tinydiff.bench.measure import OPENING, device_name, heldout_nll, heldout_openings, load_models, measure
+from tinydiff.bench.measure import (OPENING, device_name, git_commit, heldout_nll, heldout_openings, load_models,
+                                    measure)
 from tinydiff.bench.methods import METHODS, USES, block_of
+from tinydiff.bench.temperatures import (measure_temperatures, plot_acceptance_by_slot, sampled_methods,
+                                         temperature_section)
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.model import PRESETS
@@ -176,19 +178,6 @@ def regenerations(plans: dict, plan: dict) -> int:
     return 0 if any(found) or not any(job["todo"] for job in jobs) else n + regenerate.validation_stories(n)
 
 
-def git_commit() -> str:
-    """HEAD's short hash, marked when tracked files differ from it; "unknown" outside a git checkout."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "diff", "HEAD", "--quiet"], cwd=root, capture_output=True)
-    except OSError:  # no git installed
-        return "unknown"
-    if head.returncode:
-        return "unknown"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.returncode else "")
-
-
 def canvas_frames(model, prompt, args, threshold=None):
     """(steps, new tokens) bool: which answer positions are committed after each denoising step,
     for the bench's `diffusion` settings (one token per step, blocks of 32) or a threshold."""
@@ -213,10 +202,10 @@ def sweeps(rows) -> dict:
     return {name: sorted(points, key=lambda p: p[0]) for name, points in out.items() if len(points) > 1}
 
 
-PLOTS = ("accepted_lengths.png", "tau_speedup.png", "diffusion_canvas.png", "moe_experts.png")
+PLOTS = ("accepted_lengths.png", "tau_speedup.png", "diffusion_canvas.png", "moe_experts.png", "acceptance_by_slot.png")
 
 
-def make_plots(rows, canvases: dict, folder: Path) -> list[Path]:
+def make_plots(rows, canvases: dict, folder: Path, sampled: dict) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
@@ -268,7 +257,8 @@ def make_plots(rows, canvases: dict, folder: Path) -> list[Path]:
         ax.bar([r["method"] for r in moe], [r["unique_experts_per_block"] for r in moe])
         ax.set_ylabel("unique experts per 32-token block")
         save(fig, "moe_experts.png")
-    return made
+    name = plot_acceptance_by_slot(sampled, folder, plt) if sampled else None  # --temperatures
+    return made + ([folder / name] if name else [])
 
 
 def section(report: dict, args, plot_paths, folder: Path) -> str:
@@ -291,7 +281,8 @@ def section(report: dict, args, plot_paths, folder: Path) -> str:
     lines += ["", "tau: new tokens per target forward, bonus included, the prompt's prefill forward counted "
               "(generate.py's tau is per round and leaves it out); alpha: accepted / judged drafts (chains only). Held-out NLL: nats/token on 16 validation windows of the model whose distribution the "
               "method samples (the target for every speculative method: they are lossless), exact for AR, "
-              "the ELBO bound for the diffusion LMs.", ""]
+              "the ELBO bound for the diffusion LMs."]
+    lines += [*temperature_section(report["temperatures"]), ""] if report["temperatures"] else [""]
     if plot_paths:
         lines += [f"![{p.stem.replace('_', ' ')}]({p.relative_to(folder).as_posix()})" for p in plot_paths]
     else:
@@ -362,16 +353,20 @@ def write_report(args, methods: list[str]) -> dict:
         raise UserError(f"--new-tokens must lie in [1, {room}] at preset {args.report_preset}, got {args.new_tokens}")
     plans = plan_models(args, plan, Path("out") / f"report-{args.report_preset}")
     methods = [m for m in methods if USES.get(m) != "distilled" or args.distilled]  # no student is trained here
-    total = sum(job["todo"] for job in plans.values()) + regenerations(plans, plan) + len(methods)
+    temperatures = args.temperatures or []  # --temperatures: ar and the speculative rows again at each
+    runs = len(methods) + len(temperatures) * len(sampled_methods(methods))
+    total = sum(job["todo"] for job in plans.values()) + regenerations(plans, plan) + runs
     with tqdm(total=total, desc="report", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
         train_missing(plans, bar)
         rows, openings, models, args = measure_all(args, methods, plans, bar)
+        sampled = measure_temperatures(args, [r["method"] for r in rows], models, [[EOT] + o for o in openings],
+                                       temperatures, bar)
         minutes = bar.format_dict["elapsed"] / 60
     report = {"device": device_name(args.device), "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "minutes": minutes, "training": "training included" if total > len(methods) else "every model reused",
+              "minutes": minutes, "training": "training included" if total > runs else "every model reused",
               "preset": args.report_preset, "prompts": [Tokenizer().decode(o) for o in openings],
               "models": {role: {key: job[key] for key in ("path", "kind", "step")} for role, job in plans.items()},
-              "rows": rows}
+              "rows": rows, "temperatures": sampled}
     for name in PLOTS:  # the last run's plots: none may outlive the table it belonged to
         (folder / "plots" / name).unlink(missing_ok=True)
     plot_paths = []
@@ -382,7 +377,7 @@ def write_report(args, methods: list[str]) -> dict:
         if any(row["method"].startswith("diffusion") for row in rows):
             canvases = {name: canvas_frames(models["mdlm"], [EOT] + openings[0], args, threshold)
                         for name, threshold in (("diffusion", None), ("diffusion-threshold", 0.9))}
-        plot_paths = make_plots(rows, canvases, folder / "plots")
+        plot_paths = make_plots(rows, canvases, folder / "plots", sampled)
     body = section(report, args, plot_paths, folder)
     tmp = results.with_name(f".{results.name}.tmp")
     tmp.write_text(splice(old, body, results), encoding="utf-8")

@@ -26,7 +26,8 @@ its acceptance by slot (slot k kept given slots < k were: DSpark's per-position 
 the accepted path going one deeper). `--openings` decodes --prompts openings of held-out stories
 (--data's validation split) instead of the fixed prompts.
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
-`--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/bench/report.py.
+`--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/bench/report.py
+(`--temperatures T1,T2`: the speculative rows again at each temperature, tinydiff/bench/temperatures.py).
 """
 import json
 import sys
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
 from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models
 from tinydiff.bench.report import write_report
+from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_device, check_device, make_parser
 from tinydiff.compiled import compile_seconds
@@ -76,6 +78,8 @@ def parse_args(argv=None):
                    "methods on held-out story openings, write DIR/RESULTS.md and DIR/plots/")
     p.add_argument("--report-preset", default="tiny", help="with --report: smoke (a one-minute pipeline check), "
                    "tiny (under 30 CPU minutes) or 13m (a GPU)")
+    p.add_argument("--temperatures", type=parse_temperatures, help="with --report: also run ar and every speculative "
+                   "row at each of these temperatures, e.g. 0,0.8,1 (a section and plots/acceptance_by_slot.png)")
     return p.parse_args(argv)
 
 
@@ -91,6 +95,9 @@ def check_args(args) -> list[str]:
     if args.prompts > len(PROMPTS) and not (args.report or args.openings):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --openings or --report, "
                         f"which draw held-out story openings), got {args.prompts}")
+    if args.temperatures and not args.report:
+        raise UserError("--temperatures adds a section to --report's RESULTS.md: add --report DIR (or run the bench "
+                        "once per --temperature)")
     check_output(args.json, "--json")
     return methods
 
