@@ -1,0 +1,197 @@
+"""Spec: the AR mixture-of-experts LM (`--model ar-moe`, tinydiff/ar_moe.py), a target for
+speculative decoding with float or FP4 experts (MiMo's combination).
+
+The model is causal (a later token never moves an earlier position's logits) and its KV-cached
+decoding computes what full forwards compute; its loss is the next-token loss plus the balance
+term; train.py trains it and a killed run resumes to the same weights; a DFlash drafter built
+around the float target decodes, around it and around its FP4 version alike, exactly the
+target's greedy text, and at T > 0 the FP4 target's exact joint (chi-square); what does not apply
+to it is refused in one line.
+"""
+from dataclasses import asdict
+
+import pytest
+import torch
+from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_follows_the_joint, assert_same, exact_joint,
+                           float64, random_drafter, random_model, recorded_run, sample_counts)
+from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from table_models import Oracle, TableTarget
+from test_train import argv, assert_same_weights, final_weights, interrupt_at
+
+from tinydiff import trainer as train
+from tinydiff.ar import ar_generate, ar_loss
+from tinydiff.ar_moe import ar_moe_config, ar_moe_loss
+from tinydiff.checkpoint import load_checkpoint
+from tinydiff.ddtree import ddtree_generate
+from tinydiff.dflash import drafter_from
+from tinydiff.dflash_decode import dflash_generate
+from tinydiff.dmoe import MoEConfig, MoETransformer, balance_loss, moe_layers, set_routing
+from tinydiff.errors import UserError
+from tinydiff.fp4_experts import quantize_experts
+from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.sampling import next_token_probs
+from tinydiff.tokenizer import EOT
+
+# Five layers (DFlash reads two of them, [1, 2]); experts 32 wide, so MXFP4's 32-value blocks fit.
+SHAPE = dict(context=40, n_layer=5, n_head=2, d_model=32, d_ff=64, n_experts=4, moe_top_k=2, expert_d_ff=32)
+
+
+def random_ar_moe(seed, **overrides) -> MoETransformer:
+    """A random causal MoE whose routers and experts matter (stats_helpers.random_model's draw)."""
+    return random_model(MoEConfig(**{**SHAPE, **overrides, "causal": True}), seed, build=MoETransformer)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """{"float": (target, drafter), "fp4": (its MXFP4 version, the same drafter rebuilt around it)}:
+    the drafter is built for the float target, as train.py builds it, and moved as generate.py moves it."""
+    target = random_ar_moe(seed=0)
+    drafter = random_drafter(target, seed=1, n_layer=2, block_size=8, n_features=2)
+    packed = quantize_experts(target).eval()
+    moved = drafter_from({"config": asdict(drafter.config), "model": drafter.state_dict()}, packed)
+    return {"float": (target, drafter), "fp4": (packed, moved)}
+
+
+@pytest.fixture(scope="module")
+def models64(models):  # tests that compare two code paths hold them to float64 rounding
+    return {name: float64(*pair) for name, pair in models.items()}
+
+
+def greedy_by_full_forwards(model, prompt, n):
+    """n greedy tokens, each from one uncached forward over everything before it."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq]), causal=True)[0, -1]
+        seq.append(int(next_token_probs(logits, 0, None, None).argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("which", ["float", "fp4"])
+@torch.no_grad()
+def test_a_later_token_never_changes_an_earlier_positions_logits(models64, which):
+    target, _ = models64[which]
+    assert target.config.causal and isinstance(target, MoETransformer)
+    x = torch.randint(0, 50257, (1, 20), generator=torch.Generator().manual_seed(0))
+    before = target(x)  # the config's default attention: causal
+    assert_same(target(x, causal=True), before)
+    for j in (1, 8, 19):
+        changed = x.clone()
+        changed[0, j] = (changed[0, j] + 1) % 50257
+        after = target(changed)
+        assert_same(after[:, :j], before[:, :j])  # positions before j: untouched, to float64 rounding
+        assert (after[:, j] - before[:, j]).abs().max() > 1e-3 * before[:, j].abs().max()  # j itself sees it
+
+
+@pytest.mark.parametrize("which", ["float", "fp4"])
+@torch.no_grad()
+def test_kv_cached_decoding_equals_full_forwards(models64, which):
+    """The cached forwards (a prefill, then one token at a time) give every position the logits one
+    full forward gives it, so cached greedy decoding is uncached greedy decoding."""
+    target, _ = models64[which]
+    prompt = [EOT, 11, 12, 13]
+    out, stats = ar_generate(target, prompt, 16, temperature=0, stop_token=None)
+    assert out == greedy_by_full_forwards(target, prompt, 16) and stats.forwards == 16
+    seq = torch.tensor([prompt + out])
+    full = target(seq, causal=True)
+    cache = target.new_cache(1)
+    steps = [target(seq[:, :len(prompt)], cache=cache, causal=True)]
+    steps += [target(seq[:, t:t + 1], cache=cache, causal=True) for t in range(len(prompt), seq.shape[1])]
+    assert_same(torch.cat(steps, 1), full)
+
+
+def test_the_loss_is_the_next_token_loss_plus_the_balance_term():
+    torch.manual_seed(0)
+    model = MoETransformer(ar_moe_config("draft", context=16, n_experts=4, moe_top_k=2)).double()
+    assert model.config.causal and model.config.routing == "token" and model.config.n_experts == 4
+    windows = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss, stats = ar_moe_loss(model, windows)
+    ce, _ = ar_loss(model, windows)  # the same forward again: the same numbers
+    balance = balance_loss(model)
+    assert loss.item() == (ce + model.config.balance_coef * balance).item() and float(stats["ce"]) == ce.item()
+    assert stats["balance"].item() == balance.item() / len(moe_layers(model))
+    loss.backward()
+    assert all(layer.router.weight.grad.abs().sum() > 0 for layer in moe_layers(model))
+
+
+def test_train_trains_an_ar_moe_and_a_killed_run_resumes_to_the_same_weights(story_file, tmp_path, monkeypatch):
+    flags = ["--experts", "4", "--top-k", "2", "--max-steps", "4"]
+    train.main(argv(story_file, tmp_path / "full", *flags, kind="ar-moe"))
+    full = load_checkpoint(tmp_path / "full" / "ckpt.pt")
+    assert full["kind"] == "ar-moe" and full["step"] == 4 and full["config"]["causal"]
+    assert full["config"]["n_experts"] == 4 and full["config"]["moe_top_k"] == 2 and full["config"]["routing"] == "token"
+    assert isinstance(load_model(tmp_path / "full" / "ckpt.pt", kinds=AR_KINDS)[0], MoETransformer)
+
+    def kill():  # dies mid-step 3 with no chance to save: the step-2 checkpoint is what is left
+        raise SystemExit("killed")
+    interrupt_at(monkeypatch, "ar-moe", 3, kill)
+    with pytest.raises(SystemExit):
+        train.main(argv(story_file, tmp_path / "cut", *flags, kind="ar-moe"))
+    assert load_checkpoint(tmp_path / "cut" / "ckpt.pt")["step"] == 2
+    monkeypatch.undo()
+    train.main(["--out", str(tmp_path / "cut"), "--resume"])
+    assert_same_weights(final_weights(tmp_path / "cut"), full["model"])
+    # QAT applies to its experts as to mdlm-moe's: a new run from its weights records the format
+    train.main(["--model", "ar-moe", "--init", str(tmp_path / "full" / "ckpt.pt"), "--qat", "mxfp4",
+                "--data", str(story_file), "--out", str(tmp_path / "qat"), "--batch-size", "2", "--max-steps", "1",
+                "--eval-every", "1", "--eval-batches", "1", "--device", "cpu"])
+    qat = load_checkpoint(tmp_path / "qat" / "ckpt.pt")
+    assert qat["kind"] == "ar-moe" and qat["args"]["qat"] == "mxfp4" and qat["config"]["expert_format"] == "float"
+
+
+@pytest.mark.parametrize("which", ["float", "fp4"])
+@torch.no_grad()
+def test_dflash_and_ddtree_decode_the_targets_greedy_text(models64, which):
+    """Around the float target and around its FP4 version (the drafter built for the float one),
+    DFlash and DDTree commit exactly the target's own greedy tokens, which differ between the two."""
+    target, drafter = models64[which]
+    other, _ = models64["fp4" if which == "float" else "float"]
+    seen, differs = {"partial": 0, "full": 0}, 0
+    for seed in range(3):
+        prompt = [EOT] + torch.randint(0, 50257, (2 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected, _ = ar_generate(target, prompt, 24, temperature=0, stop_token=None)
+        differs += expected != ar_generate(other, prompt, 24, temperature=0, stop_token=None)[0]
+        oracle = Oracle(random_drafter(target, seed=2, n_layer=2, block_size=8, n_features=2), target,
+                        wrong=lambda position: position % 5 == seed)
+        for draft, orc in ((drafter, None), (oracle.drafter, oracle)):
+            out, stats, rounds = recorded_run(dflash_generate, target, draft, prompt, 24, orc, block_size=8,
+                                              temperature=0, stop_token=None)
+            assert out == expected, (seed, orc is None)
+            seen["partial"] += sum(0 < r["accepted"] < len(r["drafts"]) for r in rounds)
+            seen["full"] += sum(0 < r["accepted"] == len(r["drafts"]) for r in rounds)
+        tree, _ = ddtree_generate(target, drafter, prompt, 24, budget=8, temperature=0, stop_token=None)
+        assert tree == expected, seed
+    assert min(seen.values()) > 0 and differs > 0, (seen, differs)  # both kinds of round; FP4 is another model
+
+
+@torch.no_grad()
+def test_dflash_samples_the_fp4_targets_exact_joint():
+    """test_dflash's distribution test (V = 6, 3 new tokens, chi-square at significance 1e-3 with its
+    power asserted) on the FP4 version of a random ar-moe, drafted for by a drafter built around the
+    float model: the committed tokens follow the FP4 target's joint, not the float one's."""
+    shape = {**asdict(DFLASH_DIST_CONFIG), "d_model": 32, "d_ff": 64}
+    target = random_model(MoEConfig(**{**shape, "n_experts": 4, "moe_top_k": 2, "expert_d_ff": 32}), seed=1,
+                          embed_std=0.1, std=0.4, build=MoETransformer)  # a joint flat enough for the power
+    drafter = random_drafter(target, seed=5, block_size=4)
+    packed = quantize_experts(target).eval()
+    drafter = drafter_from({"config": asdict(drafter.config), "model": drafter.state_dict()}, packed)
+    probs = exact_joint(packed, 1.0, None, None)  # (V^NEW,)
+    assert (probs - exact_joint(target, 1.0, None, None)).abs().max() > 1e-3  # FP4 moved the joint
+    table = TableTarget(packed, drafter.config.taps)
+    n = 5_500
+    counts, hist = sample_counts(lambda generator: dflash_generate(
+        table, drafter, PROMPT, NEW, None, 1.0, generator=generator, stop_token=None), n, None, seed=1234)
+    assert hist[0] > 0 and hist[NEW - 1] > 0, hist  # rejections, and full acceptances of 2 drafts
+    assert_follows_the_joint(probs, counts, n)
+
+
+def test_what_does_not_apply_to_an_ar_moe_is_refused_in_one_line(story_file, tmp_path):
+    with pytest.raises(UserError, match="block routing is for diffusion LMs"):
+        MoETransformer(MoEConfig(**SHAPE, causal=True, routing="block"))
+    with pytest.raises(UserError, match="block routing is for diffusion LMs"):
+        set_routing(random_ar_moe(seed=0, n_layer=1), "block")
+    for flags, message in ((["--routing", "block"], r"--routing block is for diffusion LMs \(mdlm-moe\); --model ar-moe"),
+                           (["--noise-block", "8"], "--noise-block applies to --model mdlm and mdlm-moe only"),
+                           (["--regenerate", "2"], "--regenerate trains a draft")):
+        with pytest.raises(UserError, match=message):
+            train.main(argv(story_file, tmp_path / "x", *flags, kind="ar-moe"))
+    assert not (tmp_path / "x" / "ckpt.pt").exists()
