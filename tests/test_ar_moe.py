@@ -5,29 +5,37 @@ The model is causal (a later token never moves an earlier position's logits) and
 decoding computes what full forwards compute; its loss is the next-token loss plus the balance
 term; train.py trains it and a killed run resumes to the same weights; a DFlash drafter built
 around the float target decodes, around it and around its FP4 version alike, exactly the
-target's greedy text, and at T > 0 the FP4 target's exact joint (chi-square); what does not apply
-to it is refused in one line.
+target's greedy text, and at T > 0 the FP4 target's exact joint (chi-square); the quantize CLI
+round-trips its checkpoint (the pinned evaluation scores it as an AR model); generate.py and the
+bench take it with drafters trained on the float model; what does not apply is refused in one line.
 """
+import json
 from dataclasses import asdict
 
 import pytest
 import torch
+from entry_points import last_line, run_in_process
 from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_follows_the_joint, assert_same, exact_joint,
                            float64, random_drafter, random_model, recorded_run, sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from table_models import Oracle, TableTarget
 from test_train import argv, assert_same_weights, final_weights, interrupt_at
 
+import generate
+from tinydiff import eval as pinned
+from tinydiff import export, quantize
 from tinydiff import trainer as train
 from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.ar_moe import ar_moe_config, ar_moe_loss
-from tinydiff.checkpoint import load_checkpoint
+from tinydiff.bench import table as bench
+from tinydiff.bench.methods import compiled_models
+from tinydiff.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoEConfig, MoETransformer, balance_loss, moe_layers, set_routing
 from tinydiff.errors import UserError
-from tinydiff.fp4_experts import quantize_experts
+from tinydiff.fp4_experts import QuantizedMoETransformer, quantize_experts
 from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import EOT
@@ -118,7 +126,8 @@ def test_train_trains_an_ar_moe_and_a_killed_run_resumes_to_the_same_weights(sto
     train.main(argv(story_file, tmp_path / "full", *flags, kind="ar-moe"))
     full = load_checkpoint(tmp_path / "full" / "ckpt.pt")
     assert full["kind"] == "ar-moe" and full["step"] == 4 and full["config"]["causal"]
-    assert full["config"]["n_experts"] == 4 and full["config"]["moe_top_k"] == 2 and full["config"]["routing"] == "token"
+    config = full["config"]
+    assert config["n_experts"] == 4 and config["moe_top_k"] == 2 and config["routing"] == "token"
     assert isinstance(load_model(tmp_path / "full" / "ckpt.pt", kinds=AR_KINDS)[0], MoETransformer)
 
     def kill():  # dies mid-step 3 with no chance to save: the step-2 checkpoint is what is left
@@ -184,14 +193,84 @@ def test_dflash_samples_the_fp4_targets_exact_joint():
     assert_follows_the_joint(probs, counts, n)
 
 
-def test_what_does_not_apply_to_an_ar_moe_is_refused_in_one_line(story_file, tmp_path):
+@pytest.fixture
+def ar_moe_ckpt(tmp_path):
+    """A random ar-moe checkpoint of context 32 (small enough for train.py's drafters in seconds)."""
+    model = random_ar_moe(seed=3, context=32, n_layer=4)
+    save_checkpoint(tmp_path / "moe.pt", kind="ar-moe", config=model.config, model=model, step=5)
+    return tmp_path / "moe.pt"
+
+
+def test_quantize_round_trips_an_ar_moe_checkpoint(ar_moe_ckpt, tmp_path, story_file):
+    res = run_in_process(quantize.main, "--ckpt", ar_moe_ckpt, "--out", tmp_path / "fp4.pt")
+    assert res.returncode == 0, res.stderr
+    ckpt = load_checkpoint(tmp_path / "fp4.pt")
+    assert ckpt["kind"] == "ar-moe" and ckpt["config"]["expert_format"] == "mxfp4" and ckpt["step"] == 5
+    packed, _ = load_model(tmp_path / "fp4.pt", kinds=AR_KINDS)
+    assert isinstance(packed, QuantizedMoETransformer) and packed.config.causal
+    want = quantize_experts(load_model(ar_moe_ckpt)[0]).eval()
+    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(packed(ids), want(ids))
+    res = run_in_process(pinned.main, "--ckpt", tmp_path / "fp4.pt", "--data", story_file)  # scored as an AR model
+    assert res.returncode == 0 and "NLL: " in res.stdout and "ELBO" not in res.stdout, res.stderr
+    for name in ("moe.pt", "fp4.pt"):  # exported in tinydiff's layout, both load back to the same tensors
+        res = run_in_process(export.main, "--ckpt", tmp_path / name, "--out", tmp_path / f"{name}-hf")
+        assert res.returncode == 0, res.stderr
+        saved, folder = load_checkpoint(tmp_path / name), load_checkpoint(tmp_path / f"{name}-hf")
+        assert folder["kind"] == "ar-moe" and folder["model"].keys() == saved["model"].keys()
+        assert all(torch.equal(folder["model"][k], saved["model"][k]) for k in saved["model"])
+        assert json.loads((tmp_path / f"{name}-hf" / "config.json").read_text())["model_type"] == "tinydiff-ar-moe"
+
+
+def test_drafters_trained_on_the_float_target_decode_its_fp4_version(ar_moe_ckpt, story_file, tmp_path):
+    """train.py trains a DFlash drafter and an EAGLE-3 head against the float ar-moe; generate.py
+    takes them beside the FP4 checkpoint, and every method decodes the FP4 target's greedy text."""
+    assert run_in_process(quantize.main, "--ckpt", ar_moe_ckpt, "--out", tmp_path / "fp4.pt").returncode == 0
+    common = ["--target", str(ar_moe_ckpt), "--data", str(story_file), "--batch-size", "2", "--max-steps", "2",
+              "--eval-every", "2", "--eval-batches", "1", "--device", "cpu"]
+    train.main(["--model", "dflash", "--block-size", "8", *common, "--out", str(tmp_path / "dflash")])
+    train.main(["--model", "eagle3", "--steps-ahead", "2", *common, "--out", str(tmp_path / "eagle")])
+    assert load_checkpoint(tmp_path / "dflash" / "ckpt.pt")["args"]["target"] == str(ar_moe_ckpt)  # the float one
+
+    def ids(method, *flags):
+        res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once upon a time",
+                             "--method", method, "--temperature", 0, "--max-new-tokens", 12, "--json", *flags)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)["ids"]
+
+    expected = ids("ar")
+    assert ids("dflash", "--drafter", tmp_path / "dflash" / "ckpt.pt") == expected
+    assert ids("ddtree", "--drafter", tmp_path / "dflash" / "ckpt.pt", "--budget", 8) == expected
+    assert ids("eagle3", "--drafter", tmp_path / "eagle" / "ckpt.pt") == expected
+    report = bench.main(["--ckpt", str(tmp_path / "fp4.pt"), "--drafter", str(tmp_path / "dflash" / "ckpt.pt"),
+                         "--methods", "ar,dflash-b8,ddtree-n8", "--new-tokens", "8", "--prompts", "1"])
+    rows = {r["method"]: r for r in report["rows"]}
+    packed = {"target": load_model(tmp_path / "fp4.pt")[0]}  # --compile leaves a MoE target's rows eager
+    assert all(compiled_models(m, packed, None) is None for m in ("ar", "spec-k4", "dflash-b8", "ddtree-n8"))
+    assert rows["ar"]["tau"] == 1 and all(0 < rows[m]["tau"] <= 8 for m in ("dflash-b8", "ddtree-n8"))  # prefill too
+
+
+def test_what_does_not_apply_to_an_ar_moe_is_refused_in_one_line(ar_moe_ckpt, story_file, tmp_path):
     with pytest.raises(UserError, match="block routing is for diffusion LMs"):
         MoETransformer(MoEConfig(**SHAPE, causal=True, routing="block"))
     with pytest.raises(UserError, match="block routing is for diffusion LMs"):
         set_routing(random_ar_moe(seed=0, n_layer=1), "block")
-    for flags, message in ((["--routing", "block"], r"--routing block is for diffusion LMs \(mdlm-moe\); --model ar-moe"),
+    for flags, message in ((["--routing", "block"], r"--routing block is for diffusion LMs \(mdlm-moe\); --model ar"),
                            (["--noise-block", "8"], "--noise-block applies to --model mdlm and mdlm-moe only"),
                            (["--regenerate", "2"], "--regenerate trains a draft")):
         with pytest.raises(UserError, match=message):
             train.main(argv(story_file, tmp_path / "x", *flags, kind="ar-moe"))
     assert not (tmp_path / "x" / "ckpt.pt").exists()
+    prompt = ["--ckpt", ar_moe_ckpt, "--prompt", "Once"]
+    for main, args, message in (
+            (generate.main, [*prompt, "--method", "diffusion"], "needs a mdlm or mdlm-moe checkpoint"),
+            (generate.main, [*prompt, "--compile"], "--compile does not cover mixture-of-experts"),
+            (generate.main, [*prompt, "--method", "dflash"], "needs --drafter"),
+            (export.main, ["--ckpt", ar_moe_ckpt, "--out", tmp_path / "llama", "--layout", "llama"], "not a Llama")):
+        res = run_in_process(main, *args)
+        assert res.returncode == 1 and message in last_line(res.stderr), res.stderr
+    assert not (tmp_path / "llama").exists()
+    for routing in ("token", "block"):  # generate's --routing is the diffusion method's alone
+        res = run_in_process(generate.main, *prompt, "--routing", routing)
+        assert res.returncode == 1 and "--routing does not apply to --method ar" in last_line(res.stderr)
