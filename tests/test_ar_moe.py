@@ -3,9 +3,10 @@ speculative decoding with float or FP4 experts (MiMo's combination).
 
 The model is causal (a later token never moves an earlier position's logits) and its KV-cached
 decoding computes what full forwards compute; its loss is the next-token loss plus the balance
-term; train.py trains it and a killed run resumes to the same weights; a DFlash drafter built
-around the float target decodes, around it and around its FP4 version alike, exactly the
-target's greedy text, and at T > 0 the FP4 target's exact joint (chi-square); the quantize CLI
+term; train.py trains it and a killed run resumes to the same weights; a DFlash drafter and an
+EAGLE-3 head built around the float target decode, around it and around its FP4 version alike,
+exactly the target's greedy text (DDTree, spec and SSD too), and DFlash at T > 0 the FP4 target's
+exact joint (chi-square); the quantize CLI
 round-trips its checkpoint (the pinned evaluation scores it as an AR model); generate.py and the
 bench take it with drafters trained on the float model; what does not apply is refused in one line.
 """
@@ -15,8 +16,9 @@ from dataclasses import asdict
 import pytest
 import torch
 from entry_points import last_line, run_in_process
+from eagle_models import random_head
 from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_follows_the_joint, assert_same, exact_joint,
-                           float64, random_drafter, random_model, recorded_run, sample_counts)
+                           float64, perturbed, random_drafter, random_model, recorded_run, sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from table_models import Oracle, TableTarget
 from test_train import argv, assert_same_weights, final_weights, interrupt_at
@@ -34,10 +36,14 @@ from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoEConfig, MoETransformer, balance_loss, moe_layers, set_routing
+from tinydiff.eagle import head_from
+from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
-from tinydiff.fp4_experts import QuantizedMoETransformer, quantize_experts
+from tinydiff.fp4_experts import QuantizedMoETransformer, dequantized_copy, quantize_experts
 from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.sampling import next_token_probs
+from tinydiff.speculative import speculative_generate
+from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT
 
 # Five layers (DFlash reads two of them, [1, 2]); experts 32 wide, so MXFP4's 32-value blocks fit.
@@ -51,18 +57,23 @@ def random_ar_moe(seed, **overrides) -> MoETransformer:
 
 @pytest.fixture(scope="module")
 def models():
-    """{"float": (target, drafter), "fp4": (its MXFP4 version, the same drafter rebuilt around it)}:
-    the drafter is built for the float target, as train.py builds it, and moved as generate.py moves it."""
+    """{"float": (target, DFlash drafter, EAGLE-3 head, AR draft), "fp4": (its MXFP4 version, the same
+    drafter and head rebuilt around it, a draft)}: drafter and head are built for the float target,
+    as train.py builds them, and moved as generate.py moves them; each draft is its target (the FP4
+    one dequantized) plus a little noise, an ar-moe too."""
     target = random_ar_moe(seed=0)
     drafter = random_drafter(target, seed=1, n_layer=2, block_size=8, n_features=2)
+    head = random_head(target, seed=4)
     packed = quantize_experts(target).eval()
     moved = drafter_from({"config": asdict(drafter.config), "model": drafter.state_dict()}, packed)
-    return {"float": (target, drafter), "fp4": (packed, moved)}
+    moved_head = head_from({"config": asdict(head.config), "model": head.state_dict()}, packed)
+    draft, packed_draft = (perturbed(model, seed=2, noise=0.001) for model in (target, dequantized_copy(packed)))
+    return {"float": (target, drafter, head, draft), "fp4": (packed, moved, moved_head, packed_draft)}
 
 
 @pytest.fixture(scope="module")
 def models64(models):  # tests that compare two code paths hold them to float64 rounding
-    return {name: float64(*pair) for name, pair in models.items()}
+    return {name: float64(*built[:3]) + float64(built[3]) for name, built in models.items()}
 
 
 def greedy_by_full_forwards(model, prompt, n):
@@ -77,7 +88,7 @@ def greedy_by_full_forwards(model, prompt, n):
 @pytest.mark.parametrize("which", ["float", "fp4"])
 @torch.no_grad()
 def test_a_later_token_never_changes_an_earlier_positions_logits(models64, which):
-    target, _ = models64[which]
+    target = models64[which][0]
     assert target.config.causal and isinstance(target, MoETransformer)
     x = torch.randint(0, 50257, (1, 20), generator=torch.Generator().manual_seed(0))
     before = target(x)  # the config's default attention: causal
@@ -95,7 +106,7 @@ def test_a_later_token_never_changes_an_earlier_positions_logits(models64, which
 def test_kv_cached_decoding_equals_full_forwards(models64, which):
     """The cached forwards (a prefill, then one token at a time) give every position the logits one
     full forward gives it, so cached greedy decoding is uncached greedy decoding."""
-    target, _ = models64[which]
+    target = models64[which][0]
     prompt = [EOT, 11, 12, 13]
     out, stats = ar_generate(target, prompt, 16, temperature=0, stop_token=None)
     assert out == greedy_by_full_forwards(target, prompt, 16) and stats.forwards == 16
@@ -149,27 +160,35 @@ def test_train_trains_an_ar_moe_and_a_killed_run_resumes_to_the_same_weights(sto
 
 @pytest.mark.parametrize("which", ["float", "fp4"])
 @torch.no_grad()
-def test_dflash_and_ddtree_decode_the_targets_greedy_text(models64, which):
-    """Around the float target and around its FP4 version (the drafter built for the float one),
-    DFlash and DDTree commit exactly the target's own greedy tokens, which differ between the two."""
-    target, drafter = models64[which]
-    other, _ = models64["fp4" if which == "float" else "float"]
-    seen, differs = {"partial": 0, "full": 0}, 0
+def test_every_speculative_method_decodes_the_targets_greedy_text(models64, which):
+    """Around the float target and around its FP4 version (drafter and head built for the float
+    one), DFlash, DDTree, EAGLE-3 (chain and tree), spec and SSD commit exactly the target's own
+    greedy tokens, which differ between the two targets."""
+    target, drafter, head, draft = models64[which]
+    other = models64["fp4" if which == "float" else "float"][0]
+    seen, differs = {"partial": 0, "full": 0, "spec partial": 0, "spec full": 0}, 0
     for seed in range(3):
         prompt = [EOT] + torch.randint(0, 50257, (2 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        expected, _ = ar_generate(target, prompt, 24, temperature=0, stop_token=None)
-        differs += expected != ar_generate(other, prompt, 24, temperature=0, stop_token=None)[0]
+        expected, _ = ar_generate(target, prompt, 20, temperature=0, stop_token=None)
+        differs += expected != ar_generate(other, prompt, 20, temperature=0, stop_token=None)[0]
         oracle = Oracle(random_drafter(target, seed=2, n_layer=2, block_size=8, n_features=2), target,
                         wrong=lambda position: position % 5 == seed)
-        for draft, orc in ((drafter, None), (oracle.drafter, oracle)):
-            out, stats, rounds = recorded_run(dflash_generate, target, draft, prompt, 24, orc, block_size=8,
+        for block_drafter, orc in ((drafter, None), (oracle.drafter, oracle)):
+            out, stats, rounds = recorded_run(dflash_generate, target, block_drafter, prompt, 20, orc, block_size=8,
                                               temperature=0, stop_token=None)
             assert out == expected, (seed, orc is None)
             seen["partial"] += sum(0 < r["accepted"] < len(r["drafts"]) for r in rounds)
             seen["full"] += sum(0 < r["accepted"] == len(r["drafts"]) for r in rounds)
-        tree, _ = ddtree_generate(target, drafter, prompt, 24, budget=8, temperature=0, stop_token=None)
-        assert tree == expected, seed
-    assert min(seen.values()) > 0 and differs > 0, (seen, differs)  # both kinds of round; FP4 is another model
+        greedy = dict(temperature=0, stop_token=None)
+        assert ddtree_generate(target, drafter, prompt, 20, budget=8, **greedy)[0] == expected, seed
+        assert eagle_generate(target, head, prompt, 20, k=4, **greedy)[0] == expected, seed
+        assert eagle_generate(target, head, prompt, 20, k=4, budget=8, **greedy)[0] == expected, seed
+        out, stats = speculative_generate(target, draft, prompt, 20, 4, **greedy)
+        assert out == expected, seed
+        seen["spec partial"] += sum(stats.accepted[1:-1])
+        seen["spec full"] += stats.accepted[-1]
+        assert ssd_generate(target, draft, prompt, 20, 4, 2, **greedy)[0] == expected, seed
+    assert min(seen.values()) > 0 and differs > 0, (seen, differs)  # each kind of round; FP4 is another model
 
 
 @torch.no_grad()
