@@ -6,9 +6,9 @@ decoding computes what full forwards compute; its loss is the next-token loss pl
 term; train.py trains it and a killed run resumes to the same weights; a DFlash drafter and an
 EAGLE-3 head built around the float target decode, around it and around its FP4 version alike,
 exactly the target's greedy text (DDTree, spec and SSD too), and DFlash at T > 0 the FP4 target's
-exact joint (chi-square); the quantize CLI
-round-trips its checkpoint (the pinned evaluation scores it as an AR model); generate.py and the
-bench take it with drafters trained on the float model; what does not apply is refused in one line.
+exact joint (chi-square); the quantize CLI round-trips its checkpoint (the pinned evaluation
+scores it as an AR model, the quality tool samples it); generate.py and the bench take it with
+drafters trained on the float model; what does not apply is refused in one line.
 """
 import json
 from dataclasses import asdict
@@ -29,6 +29,7 @@ from tinydiff import export, quantize
 from tinydiff import trainer as train
 from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.ar_moe import ar_moe_config, ar_moe_loss
+from tinydiff.bench import quality
 from tinydiff.bench import table as bench
 from tinydiff.bench.methods import compiled_models
 from tinydiff.checkpoint import load_checkpoint, save_checkpoint
@@ -41,6 +42,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.fp4_experts import QuantizedMoETransformer, dequantized_copy, quantize_experts
 from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate
@@ -233,6 +235,11 @@ def test_quantize_round_trips_an_ar_moe_checkpoint(ar_moe_ckpt, tmp_path, story_
         assert torch.equal(packed(ids), want(ids))
     res = run_in_process(pinned.main, "--ckpt", tmp_path / "fp4.pt", "--data", story_file)  # scored as an AR model
     assert res.returncode == 0 and "NLL: " in res.stdout and "ELBO" not in res.stdout, res.stderr
+    judge = random_model(ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=5)
+    save_checkpoint(tmp_path / "judge.pt", kind="ar", config=judge.config, model=judge)
+    rows = quality.main(["--judge", str(tmp_path / "judge.pt"), "--ar", str(tmp_path / "fp4.pt"), "--samplers", "ar",
+                         "--samples", "2", "--gen-length", "8"])  # the quality tool's AR baseline
+    assert [r["sampler"] for r in rows] == ["ar"] and rows[0]["gen_ppl"] > 0
     for name in ("moe.pt", "fp4.pt"):  # exported in tinydiff's layout, both load back to the same tensors
         res = run_in_process(export.main, "--ckpt", tmp_path / name, "--out", tmp_path / f"{name}-hf")
         assert res.returncode == 0, res.stderr
