@@ -11,7 +11,7 @@ diffusion loss. `python -m tinydiff.quantize` packs its experts in MXFP4 / NVFP4
 the packed one (same dimensions, same feature layers: drafter.check_target).
 
 Leaves out: block routing (a diffusion LM's idea: its blocks are counted back from the end of the
-sequence, which a token-by-token KV cache never sees; MoEConfig refuses it for a causal model),
+sequence, which a token-by-token KV cache never sees; MoETransformer and set_routing refuse it),
 multi-token prediction heads (MiMo's MTP), and everything dmoe.py leaves out.
 """
 from tinydiff.ar import ar_loss
