@@ -5,10 +5,10 @@ Shape flags that contradict --init's checkpoint are errors, never silently ignor
 """
 from dataclasses import replace
 
+from tinydiff.ar_moe import ar_moe_config
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.distill import student_from
-from tinydiff.ar_moe import ar_moe_config
 from tinydiff.dmoe import MOE_KINDS, MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
