@@ -8,7 +8,8 @@
         --prompt "Tom had a dog"
 
 The method follows the checkpoint: `diffusion` for a masked-diffusion LM (the canvas starts
-all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregressive one;
+all-MASK and fills in; on a terminal you watch it happen), `ar` for an autoregressive one (dense,
+or ar-moe with float or FP4 experts: every method below decodes it as a target);
 `spec` decodes an AR target with a small AR draft proposing k tokens per target forward
 (lossless: the same distribution as `ar`); `ssd` is `spec` with the draft running ahead in a
 second thread, pre-drafting the next round for likely outcomes while the target verifies;
@@ -38,21 +39,20 @@ from tinydiff.compiled import compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import RULES, dflash_generate
-from tinydiff.dmoe import moe_stats, reset_stats, routing_from_flags
+from tinydiff.dmoe import MOE_KINDS, moe_stats, reset_stats, routing_from_flags
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
-from tinydiff.kinds import load_model
+from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
-# method -> checkpoint kinds it decodes
-METHODS = {"ar": ("ar",), "spec": ("ar",), "ssd": ("ar",), "dflash": ("ar",), "ddtree": ("ar",), "eagle3": ("ar",),
-           "diffusion": ("mdlm", "mdlm-moe")}
-DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
 AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
+# method -> checkpoint kinds it decodes (the AR family: a dense or MoE target, its experts float or FP4)
+METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": ("mdlm", "mdlm-moe")}
+DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
 DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise",
                    "cached", "no_animate", "routing", "route_threshold", "route_guard", "route_mask_vote")
 # flag -> the methods that read it; a flag given to another method is an error, never ignored
@@ -111,7 +111,7 @@ def parse_args(argv=None):
     diff.add_argument("--revise", type=COUNT_OR_NONE, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
-    moe = p.add_argument_group("mdlm-moe checkpoints")
+    moe = p.add_argument_group("mdlm-moe checkpoints (an ar-moe routes by token, as saved)")
     moe.add_argument("--routing", choices=["token", "block"], help="expert routing (default: the checkpoint's)")
     moe.add_argument("--route-threshold", type=MASS, help="block routing: coreset mass")
     moe.add_argument("--route-guard", type=COUNT, help="block routing: at least this many experts")
@@ -256,8 +256,9 @@ def main(argv=None):
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; "
                         f"{args.ckpt} holds a {ckpt['kind']} model")
     check_flags_apply(args, method)
-    moe = routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold, args.route_guard,
-                             args.route_mask_vote) is not None  # the saved expert routing unless a flag says otherwise
+    routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing, args.route_threshold, args.route_guard,
+                       args.route_mask_vote)  # the saved expert routing unless a flag says otherwise
+    moe = ckpt["kind"] in MOE_KINDS
     if args.compile and moe:
         raise UserError("--compile does not cover mixture-of-experts checkpoints (their routing has no fixed "
                         "shapes); drop --compile")
@@ -267,6 +268,8 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
     prompt = [EOT] + tokenizer.encode(args.prompt)
     generator = torch.Generator(args.device).manual_seed(args.seed)
+    if moe:
+        reset_stats(model)
     if method != "diffusion":
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
@@ -280,8 +283,6 @@ def main(argv=None):
         args.temperature = 0.0 if args.temperature is None else args.temperature
         animate = sys.stdout.isatty() and not (args.no_animate or args.json)
         view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
-        if moe:
-            reset_stats(model)
         ids, result = run_diffusion(model, prompt, args, generator, view)
         if view:
             view.clear()  # the final text, cut at the story's end, replaces the last frame

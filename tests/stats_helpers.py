@@ -24,11 +24,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def random_model(config, seed, embed_std=0.3, std=0.5):
-    """A random Transformer whose blocks matter. With the default init (std 0.02) the tied head
-    mostly predicts the input token back, so greedy decoding would repeat one token forever."""
+def random_model(config, seed, embed_std=0.3, std=0.5, build=Transformer):
+    """A random Transformer (or `build`'s model, e.g. dmoe.MoETransformer: routers and experts drawn
+    alike) whose blocks matter. With the default init (std 0.02) the tied head mostly predicts the
+    input token back, so greedy decoding would repeat one token forever."""
     torch.manual_seed(seed)
-    model = Transformer(config).eval()
+    model = build(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:

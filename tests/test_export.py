@@ -47,12 +47,14 @@ def transformers():
 
 def test_export_loads_back_with_the_same_tensors_for_every_kind(tmp_path, tiny_model):
     from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
+    from tinydiff.ar_moe import ar_moe_config
     from tinydiff.dmoe import MoETransformer, moe_config
     from tinydiff.eagle import EagleConfig, EagleHead, head_from
     target = Transformer(TARGET).eval()
     moe = MoETransformer(moe_config("draft", context=32, n_experts=4, moe_top_k=2, route_block=4))
+    ar_moe = MoETransformer(ar_moe_config("draft", context=32, n_experts=4, moe_top_k=2))
     diffusion = Transformer(ModelConfig(**{**asdict(TARGET), "causal": False, "shift": True}))
-    models = {"ar": target, "mdlm": diffusion, "mdlm-moe": moe,
+    models = {"ar": target, "mdlm": diffusion, "mdlm-moe": moe, "ar-moe": ar_moe,
               "dflash": DFlashDrafter(DFlashConfig.for_target(TARGET, block_size=4), target),
               "eagle3": EagleHead(EagleConfig.for_target(TARGET), target)}
     for kind, model in models.items():
@@ -65,8 +67,9 @@ def test_export_loads_back_with_the_same_tensors_for_every_kind(tmp_path, tiny_m
         assert config["model_type"] == ("llama" if kind == "ar" else f"tinydiff-{kind}")
     assert isinstance(drafter_from(load_checkpoint(tmp_path / "dflash"), target), DFlashDrafter)
     assert isinstance(head_from(load_checkpoint(tmp_path / "eagle3"), target), EagleHead)
-    rebuilt, _ = load_model(tmp_path / "mdlm-moe")  # the kind's own class, from the folder
-    assert isinstance(rebuilt, MoETransformer)
+    for kind in ("mdlm-moe", "ar-moe"):
+        rebuilt, _ = load_model(tmp_path / kind)  # the kind's own class, from the folder
+        assert isinstance(rebuilt, MoETransformer) and rebuilt.config.causal == (kind == "ar-moe")
 
 
 def test_bad_folders_and_exports_are_one_line(tmp_path):

@@ -164,7 +164,7 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
 @pytest.mark.parametrize("args, message", [
     (["--gen-length", 10, "--block-length", 4], "multiple of the block length"),
     (["--cached", "--revise", 1], "--revise works with the uncached sampler"),
-    (["--method", "ar"], "needs a ar checkpoint"),
+    (["--method", "ar"], "needs a ar or ar-moe checkpoint"),
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", -1], "--entropy-bound: must be a finite number >= 0"),
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", 0.5, "--threshold", 0.9], "not both"),
 ])

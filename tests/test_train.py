@@ -176,7 +176,7 @@ def test_moe_expert_count_and_top_k_are_flags(story_file, tmp_path):
             "--max-steps", "1", "--device", "cpu"]
     with pytest.raises(UserError, match="has n_experts 8, this run asks for 16; pass --experts"):
         train.main([*init, "--out", str(tmp_path / "a"), "--experts", "16"])
-    with pytest.raises(UserError, match="--experts and --top-k apply to --model mdlm-moe only"):
+    with pytest.raises(UserError, match="--experts and --top-k apply to --model mdlm-moe and ar-moe only"):
         train.main(argv(story_file, tmp_path / "b", "--top-k", "2"))
     with pytest.raises(UserError, match="need 1 <= top_k <= n_experts"):
         train.main(argv(story_file, tmp_path / "c", "--experts", "2", "--top-k", "3", kind="mdlm-moe"))

@@ -3,7 +3,7 @@
 A checkpoint is a plain dict of tensors and Python primitives, so `torch.load(weights_only=True)`
 can read it without unpickling code:
   format, version   marks the file as ours
-  kind              "ar", "mdlm", "mdlm-moe", "dflash", "eagle3": which objective trained it
+  kind              "ar", "mdlm", "mdlm-moe", "ar-moe", "dflash", "eagle3": which objective trained it
   config            the ModelConfig as a dict
   model             the state dict
   optimizer         AdamW state (absent in weights-only exports)
@@ -37,7 +37,7 @@ from tinydiff.model import ModelConfig
 
 FORMAT = "tinydiff-checkpoint"
 VERSION = 1
-KINDS = ("mdlm", "ar", "mdlm-moe", "dflash", "eagle3")
+KINDS = ("mdlm", "ar", "mdlm-moe", "ar-moe", "dflash", "eagle3")
 
 
 def save_checkpoint(path, *, kind: str, config: ModelConfig, model, **extra):

@@ -1,4 +1,4 @@
-"""dMoE: a mixture-of-experts diffusion LM, token-level and block-level expert routing.
+"""dMoE: a mixture-of-experts LM (diffusion, or causal: tinydiff/ar_moe.py), token and block routing.
 
 Token routing (the standard top-k MoE: Shazeer et al. 2017, Switch Transformer, Mixtral): a
 router `Linear(D -> E)` scores every token, the token goes to its top-k experts, and their
@@ -23,22 +23,21 @@ the sampler reads only the MASK positions' (committed tokens reach them only thr
 yet after the first few steps committed tokens are most of the block and, voting alike, pick the
 coreset. A block without MASK tokens (a finished block on its way into the KV cache) routes as before.
 
-Scores are softmax probabilities by default: each token then casts one vote of total weight 1
-into its block's distribution, and the Switch term is defined on them. "sigmoid" (DeepSeek-V3 /
-Ling style) is offered too; its top-k weights are renormalised the same way.
+Scores are softmax probabilities by default: each token then casts one vote of total weight 1 into
+its block's distribution, and the Switch term is defined on them. "sigmoid" (DeepSeek-V3 / Ling
+style) is offered too, its top-k weights renormalised the same way.
 Dispatch is a plain loop over experts (index_select the routed tokens, run the expert, index_add
 the weighted result): an expert no token chose is never read. Without gradients, where Triton
-runs (tinydiff/kernels/__init__.py), one grouped-GEMM launch does the same
-(tinydiff/kernels/moe_ffn.py). Stats per forward: unique experts per block, experts touched
-(x bytes per expert = expert-weight bytes read), time in the layer.
+runs (kernels/__init__.py), one grouped-GEMM launch does the same (kernels/moe_ffn.py). Stats per
+forward: unique experts per block, experts touched (x bytes per expert = bytes read), layer time.
 
 Routing blocks are counted back from the end of the sequence the model is given. The samplers'
 canvases (tinydiff/sampler.py) end on a block boundary, so every routing block is one decoding
-block, cached or not; what is left of the prompt forms the first, shorter block.
+block, cached or not; what is left of the prompt forms the first, shorter block. A causal model
+(ar-moe) routes by token only: its KV cache sees each token once, never the block around it.
 
 FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4_experts.py's layers override
 `routed` and hold the experts packed; QAT (tinydiff/qat.py) sets `weight_view`.
-
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
 balancing, a grouped-GEMM backward pass.
 """
@@ -59,6 +58,8 @@ from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, wide
 from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
+MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)
+CAUSAL_ROUTING = "block routing is for diffusion LMs (mdlm-moe); a causal MoE (ar-moe) routes by token"
 SCORES = ("softmax", "sigmoid")
 
 
@@ -109,7 +110,7 @@ def check_routing(routing, guard, top_k, n_experts):
 
 
 def moe_config(name: str, **overrides) -> MoEConfig:
-    """A MoE variant of preset `name` (a diffusion LM: bidirectional) with the dense model's active FFN size."""
+    """A MoE variant of preset `name` (bidirectional unless causal=True) with the dense model's active FFN size."""
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return MoEConfig(**{**PRESETS[name].__dict__, "causal": False, **overrides})
@@ -281,6 +282,8 @@ class MoETransformer(Transformer):
         if config.expert_format != "float" and self.feed_forward is MoEFeedForward:
             raise UserError(f"this config's experts are packed {config.expert_format}: build the model with "
                             "tinydiff.fp4_experts.moe_model(config), as load_model does")
+        if config.causal and config.routing == "block":  # the model's attention: a layer's config need not know it
+            raise UserError(CAUSAL_ROUTING)
         super().__init__(config)
         for block in self.blocks:
             block.ffn = self.feed_forward(config)
@@ -307,14 +310,13 @@ def moe_layers(model) -> list[MoEFeedForward]:
 
 
 def set_routing(model, routing: str, threshold=None, guard=None, block_size=None, mask_vote=None) -> MoEConfig:
-    """Switch every MoE layer to `routing` ("token" or "block"); None keeps the current setting.
-    model.config becomes a new MoEConfig recording the routing (save it in the checkpoint)."""
+    """Switch every MoE layer to `routing` ("token" or "block"; None keeps a setting); model.config becomes
+    a new MoEConfig recording the routing (save it in the checkpoint)."""
     layers = moe_layers(model)
-    config = replace(model.config, routing=routing,  # replace() re-validates through __post_init__
-                     route_threshold=model.config.route_threshold if threshold is None else threshold,
-                     route_guard=model.config.route_guard if guard is None else guard,
-                     route_block=model.config.route_block if block_size is None else block_size,
-                     route_mask_vote=model.config.route_mask_vote if mask_vote is None else mask_vote)
+    given = dict(route_threshold=threshold, route_guard=guard, route_block=block_size, route_mask_vote=mask_vote)
+    config = replace(model.config, routing=routing, **{k: v for k, v in given.items() if v is not None})  # re-checked
+    if config.causal and routing == "block":
+        raise UserError(CAUSAL_ROUTING)
     model.config = config
     for layer in layers:
         layer.routing, layer.threshold = config.routing, config.route_threshold
@@ -324,14 +326,14 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
 
 def routing_from_flags(model, kind: str, path, routing=None, threshold=None, guard=None, mask_vote=None):
     """A CLI's --routing / --route-threshold / --route-guard / --route-mask-vote applied to a loaded
-    checkpoint: its saved routing where a flag is not given. Returns the MoEConfig in use, or None
-    for a dense model."""
+    checkpoint (its saved routing where a flag is not given): the MoEConfig in use, None if dense."""
     asked = [flag for flag, value in (("--routing", routing), ("--route-guard", guard),
                                       ("--route-threshold", threshold), ("--route-mask-vote", mask_vote))
              if value is not None]
-    if kind != "mdlm-moe":
+    if kind not in MOE_KINDS:
         if asked:
-            raise UserError(f"{asked[0]} needs a mixture-of-experts (mdlm-moe) checkpoint; {path} holds a {kind} model")
+            raise UserError(f"{asked[0]} needs a mixture-of-experts checkpoint ({' or '.join(MOE_KINDS)}); "
+                            f"{path} holds a {kind} model")
         return None
     mode = routing or model.config.routing
     tuning = [flag for flag in asked if flag != "--routing"]
@@ -364,8 +366,7 @@ def moe_stats(model) -> dict:
     forwards = layers[0].totals["forwards"]
     per_expert, shared = layers[0].expert_bytes(), int(layers[0].shared is not None)
     out = {"forwards": forwards, "n_experts": layers[0].n_experts, "top_k": layers[0].top_k,
-           "routing": layers[0].routing,
-           "expert_bytes_all": len(layers) * (layers[0].n_experts + shared) * per_expert}
+           "routing": layers[0].routing, "expert_bytes_all": len(layers) * (layers[0].n_experts + shared) * per_expert}
     if forwards == 0:
         return out
     touched = sum(float(layer.totals["touched"]) for layer in layers)
@@ -381,10 +382,9 @@ def moe_stats(model) -> dict:
 
 def param_counts(model) -> dict:
     """Total and active (used by one token) parameters, with and without the embedding."""
-    total = model.num_params()
+    total, embed = model.num_params(), model.embed.weight.numel()
     idle = sum((layer.n_experts - layer.top_k) * sum(p.numel() for p in layer.experts[0].parameters())
                for layer in moe_layers(model))
-    embed = model.embed.weight.numel()
     return {"total": total, "active": total - idle, "total_no_embed": total - embed,
             "active_no_embed": total - idle - embed}
 

@@ -35,7 +35,9 @@ def target_dims(t: ModelConfig) -> dict:
 
 
 def check_target(config, target, what: str = "drafter"):
-    """The target must have the dimensions the drafter (a DFlash or EAGLE-3 config) was built for."""
+    """The target must have the dimensions the drafter (a DFlash or EAGLE-3 config) was built for: its
+    width, vocabulary and context, and the layer count its feature ids refer to. Only these: the
+    weights may differ, so a drafter trained on a float ar-moe drafts for its FP4 version too."""
     t = target.config
     want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
             "context": config.context}

@@ -5,7 +5,7 @@ validation split (on Hugging Face, `roneneldan/TinyStories`'s validation split; 
 workspace, ../shared/data/tinystories-valid-1000.txt, the same stories as a file). They are
 tokenised as training text is (each story, then EOT) into one stream, cut into consecutive
 windows of the model's context; the tail shorter than a window is left out. On them:
-  - an AR model: the exact NLL per token (every token of a window but its first is predicted);
+  - an AR model (ar, ar-moe): the exact NLL per token (every token of a window but its first is predicted);
   - a diffusion LM: the ELBO bound per token (block diffusion's for a --noise-block model), an
     upper bound on its NLL, averaged over --mc noise draws with their standard error;
   - bits per byte: the same total over the UTF-8 bytes of the scored tokens' text;
@@ -32,7 +32,7 @@ from tinydiff.diffusion import scored_tokens
 from tinydiff.errors import UserError
 from tinydiff.files import check_output, write_atomic
 from tinydiff.judge import sample_and_judge
-from tinydiff.kinds import load_model
+from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.model import wide
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -43,8 +43,8 @@ MC = Rule(integer=True, lo=2, hi=10**4)  # noise draws: two at least, for a stan
 
 def parse_args(argv=None):
     parser = make_parser("python -m tinydiff.eval", __doc__.split("\n")[0].split(": ", 1)[1])
-    parser.add_argument("--ckpt", required=True, help="the model to evaluate (ar, mdlm or mdlm-moe; ckpt.pt or an "
-                                                      "exported folder)")
+    parser.add_argument("--ckpt", required=True, help="the model to evaluate (ar, ar-moe, mdlm or mdlm-moe; ckpt.pt "
+                                                      "or an exported folder)")
     parser.add_argument("--data", help="a TinyStories-format file whose first 1,000 stories are scored (default: "
                                        "Hugging Face's validation split, downloaded)")
     parser.add_argument("--mc", type=MC, default=4, help="noise draws of a diffusion LM's bound")
@@ -100,9 +100,9 @@ def eval_windows(stories: list[str], context: int, tokenizer) -> torch.Tensor:
 @torch.no_grad()
 def score(model, kind: str, windows, mc: int, batch_size: int, tokenizer) -> dict:
     """nll (nats/token: exact for AR, the bound for diffusion, with its MC stderr), bits_per_byte, tokens."""
-    scored = windows[:, 1:] if kind == "ar" or model.config.shift else windows  # the tokens a row predicts
+    scored = windows[:, 1:] if kind in AR_KINDS or model.config.shift else windows  # the tokens a row predicts
     n_bytes = sum(len(tokenizer.decode(row).encode("utf-8")) for row in scored.tolist())
-    if kind == "ar":
+    if kind in AR_KINDS:
         total = 0.0
         for i in range(0, len(windows), batch_size):
             x = windows[i:i + batch_size]
@@ -130,9 +130,9 @@ def main(argv=None):
     check_device(args.device)
     check_output(args.json, "--json")
     stories = pinned_stories(args.data)
-    model, ckpt = load_model(args.ckpt, args.device, kinds=("ar", "mdlm", "mdlm-moe"))
+    model, ckpt = load_model(args.ckpt, args.device, kinds=(*AR_KINDS, "mdlm", "mdlm-moe"))
     judge = load_model(args.judge, args.device, kinds=("ar",))[0] if args.judge else None
-    if judge is not None and ckpt["kind"] != "ar" and args.gen_length % args.block_length:
+    if judge is not None and ckpt["kind"] not in AR_KINDS and args.gen_length % args.block_length:
         raise UserError(f"--gen-length {args.gen_length} must be a multiple of --block-length {args.block_length}")
     if judge is not None and args.gen_length >= model.config.context:
         raise UserError(f"--gen-length {args.gen_length} leaves no room after the opening EOT in the model's "
@@ -141,13 +141,13 @@ def main(argv=None):
     windows = eval_windows(stories, model.config.context, tokenizer).to(args.device)
     result = {"ckpt": str(args.ckpt), "kind": ckpt["kind"], "stories": len(stories),
               **score(model, ckpt["kind"], windows, args.mc, args.batch_size, tokenizer)}
-    what = "NLL" if ckpt["kind"] == "ar" else f"ELBO bound ({args.mc} noise draws, +- MC stderr)"
+    what = "NLL" if ckpt["kind"] in AR_KINDS else f"ELBO bound ({args.mc} noise draws, +- MC stderr)"
     print(f"{args.ckpt}: {result['stories']} stories, {result['windows']} windows of {model.config.context}, "
           f"{result['tokens']:,} tokens scored")
-    error = f" +- {result['stderr']:.4f}" if ckpt["kind"] != "ar" else ""
+    error = f" +- {result['stderr']:.4f}" if ckpt["kind"] not in AR_KINDS else ""
     print(f"{what}: {result['nll']:.4f}{error} nats/token | bits/byte {result['bits_per_byte']:.4f}")
     if judge is not None:
-        if ckpt["kind"] == "ar":
+        if ckpt["kind"] in AR_KINDS:
             sample = lambda p, g: ar_generate(model, p, args.gen_length, 1.0, generator=g)  # noqa: E731
         else:
             sample = lambda p, g: generate_cached(model, p, args.gen_length, args.gen_length,  # noqa: E731

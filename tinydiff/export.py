@@ -1,10 +1,11 @@
 """python -m tinydiff.export --ckpt CKPT --out DIR: a model in Hugging Face's folder layout.
 
-An AR model (target or draft) becomes a `LlamaForCausalLM` folder: config.json, model.safetensors,
-generation_config.json, GPT-2's tokenizer files (rebuilt offline from tiktoken's ranks, with MASK as
-<|mask|>) and a model card. transformers, vLLM and SGLang load it as any Llama. Every other kind
-(diffusion LMs, MoE, drafters) is written in tinydiff's own layout: safetensors weights and a config
-that says what the model is, since no stock transformers class runs it. Either folder loads back
+A dense AR model (target or draft) becomes a `LlamaForCausalLM` folder: config.json,
+model.safetensors, generation_config.json, GPT-2's tokenizer files (rebuilt offline from
+tiktoken's ranks, with MASK as <|mask|>) and a model card. transformers, vLLM and SGLang load it
+as any Llama. Every other kind (diffusion LMs, the MoE ones, ar-moe too, drafters) is written in
+tinydiff's own layout: safetensors weights and a config that says what the model is, since no
+stock transformers class runs it. Either folder loads back
 anywhere tinydiff takes `--ckpt` (tinydiff/hf_format.py reads it). No pickle is written: the
 training state (optimizer, RNG, data position) stays in ckpt.pt, read with weights_only=True.
 """
@@ -25,8 +26,9 @@ from tinydiff.tokenizer import EOT, MASK
 LAYOUTS = ("auto", "llama", "tinydiff")
 WHAT = {"ar": "an autoregressive (causal) language model", "mdlm": "a masked-diffusion language model (MDLM)",
         "mdlm-moe": "a masked-diffusion language model with mixture-of-experts feed-forwards (dMoE)",
-        "dflash": "a DFlash block drafter (it reads an AR target's hidden states)",
-        "eagle3": "an EAGLE-3 draft head (it reads an AR target's hidden states)"}
+        "ar-moe": "an autoregressive (causal) language model with mixture-of-experts feed-forwards",
+        "dflash": "a DFlash block drafter (it reads an AR target's hidden states, ar or ar-moe)",
+        "eagle3": "an EAGLE-3 draft head (it reads an AR target's hidden states, ar or ar-moe)"}
 
 
 def parse_args(argv=None):
@@ -34,8 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by train.py (ckpt.pt)")
     parser.add_argument("--out", required=True, help="the folder to write (new, or empty)")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
-                        help="llama: LlamaForCausalLM (AR models only); tinydiff: our own names; auto: llama for "
-                             "an AR model, tinydiff for every other kind")
+                        help="llama: LlamaForCausalLM (dense AR models only); tinydiff: our own names; auto: llama for "
+                             "a dense AR model, tinydiff for every other kind (ar-moe included)")
     return parser.parse_args(argv)
 
 

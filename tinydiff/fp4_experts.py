@@ -22,8 +22,8 @@ kernel, one expert, every token).
 
 The config records the format (MoEConfig.expert_format, expert_block), so a checkpoint of a
 quantized model loads as any other: MoETransformer builds this layer for such a config (with zero
-weights, for load_state_dict to fill), and every entry point that takes an mdlm-moe `--ckpt`
-takes it. Loading checks the packed tensors' dtypes and that no scale is NaN or negative.
+weights, for load_state_dict to fill), and every entry point that takes an mdlm-moe or ar-moe
+`--ckpt` takes it. Loading checks the packed tensors' dtypes and that no scale is NaN or negative.
 
 Leaves out: quantization-aware training, activations in FP4 (weights only: the matmuls run in
 the input's dtype), calibration (the OCP rule needs none), and a backward pass: the packed weights
@@ -174,8 +174,8 @@ def quantize_experts(model: MoETransformer, fmt: str = "mxfp4", block_size: int 
     `fmt` (block_size: values per scale; default the format's standard, 32 for MXFP4)."""
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
     if not layers or not isinstance(model.config, MoEConfig):
-        raise UserError("this model has no mixture-of-experts layers, so no experts to quantize; pass a "
-                        "mdlm-moe model (train.py --model mdlm-moe)")
+        raise UserError("this model has no mixture-of-experts layers, so no experts to quantize; pass an "
+                        "mdlm-moe or ar-moe model (train.py --model mdlm-moe or ar-moe)")
     if model.config.expert_format != "float":
         raise UserError(f"this model's experts are already {model.config.expert_format}; quantize the "
                         "full-precision checkpoint it came from")

@@ -113,9 +113,9 @@ def model_config_of(hf: dict, path) -> ModelConfig:
 
 
 def check_layout(kind: str, layout: str):
-    """Only an AR model is a Llama: causal attention, no MASK in play."""
+    """Only a dense AR model is a Llama: causal attention, no MASK in play, no experts (ar-moe is not one)."""
     if layout == "llama" and kind not in LLAMA_KINDS:
-        raise UserError(f"a {kind} model is not a Llama (only an AR model is: causal attention, no MASK); "
+        raise UserError(f"a {kind} model is not a Llama (only a dense AR model is: causal attention, no MASK, no experts); "
                         "export it in tinydiff's layout (drop --layout llama)")
 
 

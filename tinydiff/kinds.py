@@ -1,5 +1,5 @@
 """The model a checkpoint holds, rebuilt: each kind's config and model classes (every kind but the
-MoE diffusion LM is the plain Transformer; the drafters are rebuilt around their target by
+MoE ones, mdlm-moe and ar-moe, is the plain Transformer; the drafters are rebuilt around their target by
 dflash.drafter_from and eagle.head_from). Before a weight is allocated the config is checked (its
 fields known, each value in range: the config classes' own rules). A config that implies more
 weights than the file holds is then matched, name by name and shape by shape, against a model
@@ -13,14 +13,15 @@ from dataclasses import fields
 import torch
 
 from tinydiff.checkpoint import brief_error, load_checkpoint
-from tinydiff.dmoe import MoEConfig
+from tinydiff.dmoe import MOE_KINDS, MoEConfig
 from tinydiff.fp4_experts import moe_model
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.tokenizer import VOCAB_SIZE
 
 # kind -> (config class, what builds the model from a config); every other kind is a plain Transformer
-ARCHITECTURES = {"mdlm-moe": (MoEConfig, moe_model)}
+ARCHITECTURES = {kind: (MoEConfig, moe_model) for kind in MOE_KINDS}
+AR_KINDS = ("ar", "ar-moe")  # the causal LMs: what AR decoding, a draft's or drafter's --target and spec decode
 
 
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:

@@ -8,7 +8,7 @@ rounding has no useful gradient, so the backward pass treats it as the identity 
 straight-through estimator): d fq(w) / dw := I. Attention, router, norms and embeddings train
 as they are, unquantized, as MiMo keeps them. The checkpoint holds the float w, whose packed
 form (`python -m tinydiff.quantize`) is exactly what the forward computed with.
-`train.py --init CKPT --qat mxfp4` (a `mdlm-moe` checkpoint); the run records the format and a
+`train.py --init CKPT --qat mxfp4` (an `mdlm-moe` or `ar-moe` checkpoint); the run records the format and a
 resumed run fake-quantizes again.
 Leaves out: learned scales (LSQ), quantizing the activations, QAT for dense models.
 """

@@ -27,7 +27,7 @@ DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teache
 STUDENT_SHAPE = ("preset", "context", "experts", "top_k", "noise_block")  # a student takes its teacher's
 GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate)",
           "distill": "distillation for parallel decoding (mdlm, mdlm-moe; tinydiff/distill.py)",
-          "moe": "mdlm-moe"}
+          "moe": "mixture of experts (mdlm-moe; ar-moe: token routing only)"}
 
 
 CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
@@ -53,7 +53,8 @@ def setting(default, help: str, group: str = "", **argparse_options):
 @dataclass(frozen=True)
 class RunConfig:
     model: str = setting("mdlm", "what to train: mdlm, the masked-diffusion LM; ar, the AR model; mdlm-moe, "
-                         "the diffusion LM with experts; dflash or eagle3, a drafter for --target", choices=KINDS)
+                         "the diffusion LM with experts; ar-moe, the AR model with experts; dflash or eagle3, a "
+                         "drafter for --target", choices=KINDS)
     preset: str | None = setting(None, "model size (default: 13m on CUDA, tiny on CPU)", choices=sorted(PRESETS))
     context: int | None = setting(None, "override the preset's context length (tokens per window)", type=CONTEXT)
     data: str | None = setting(None, "TinyStories-train.txt-format file (default: download from Hugging Face)")
@@ -71,7 +72,8 @@ class RunConfig:
     noise_block: int | None = setting(None, "mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
                                       "prefix (block diffusion, what the cached block sampler meets; default: one "
                                       "per window)", type=COUNT_OR_NONE)
-    target: str | None = setting(None, "the AR target checkpoint the draft or drafter learns to draft for", "drafter")
+    target: str | None = setting(None, "the AR target checkpoint (ar or ar-moe) the draft or drafter learns to "
+                                 "draft for", "drafter")
     block_size: int = setting(16, "B: the drafter fills B-1 slots per forward", "drafter", type=BLOCK)
     regenerate: int | None = setting(None, "train on N stories --target writes from story openings", "drafter",
                                      type=STORIES)

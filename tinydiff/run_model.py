@@ -5,24 +5,25 @@ Shape flags that contradict --init's checkpoint are errors, never silently ignor
 """
 from dataclasses import replace
 
+from tinydiff.ar_moe import ar_moe_config
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.distill import student_from
-from tinydiff.dmoe import MoETransformer, moe_config, set_routing
+from tinydiff.dmoe import MOE_KINDS, MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
-from tinydiff.kinds import load_model, model_from
+from tinydiff.kinds import AR_KINDS, load_model, model_from
 from tinydiff.model import Transformer, preset
 from tinydiff.qat import fake_quantize_experts
 from tinydiff.run_config import DRAFTERS
 
 
 def load_target(run: dict, device: str):
-    """The frozen AR target a drafter (DFlash, EAGLE-3, an AR draft) trains against."""
+    """The frozen AR target (dense or MoE) a drafter (DFlash, EAGLE-3, an AR draft) trains against."""
     if not run["target"]:
         raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
                         "the AR model to draft for")
-    target, _ = load_model(run["target"], device, kinds=("ar",))
+    target, _ = load_model(run["target"], device, kinds=AR_KINDS)
     return target.requires_grad_(False)
 
 
@@ -51,13 +52,15 @@ def check_flags_fit(run: dict):
                         "(EAGLE-3: one layer fusing 3 fixed target layers)")
     if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
         raise UserError("--noise-block applies to --model mdlm and mdlm-moe only")
-    if (run["experts"] is not None or run["top_k"] is not None) and run["model"] != "mdlm-moe":
-        raise UserError("--experts and --top-k apply to --model mdlm-moe only")
-    if run["routing"] != "token" and run["model"] != "mdlm-moe":
+    if (run["experts"] is not None or run["top_k"] is not None) and run["model"] not in MOE_KINDS:
+        raise UserError("--experts and --top-k apply to --model mdlm-moe and ar-moe only")
+    if run["routing"] != "token" and run["model"] not in MOE_KINDS:
         raise UserError("--routing applies to --model mdlm-moe only")
-    if run["qat"] is not None and run["model"] != "mdlm-moe":
-        raise UserError("--qat fake-quantizes the experts of a mixture-of-experts model: use --model mdlm-moe "
-                        "(and --init its full-precision checkpoint)")
+    if run["routing"] == "block" and run["model"] == "ar-moe":
+        raise UserError("--routing block is for diffusion LMs (mdlm-moe); --model ar-moe routes by token")
+    if run["qat"] is not None and run["model"] not in MOE_KINDS:
+        raise UserError("--qat fake-quantizes the experts of a mixture-of-experts model: use --model mdlm-moe or "
+                        "ar-moe (and --init its full-precision checkpoint)")
     if run["distill"] and run["model"] not in ("mdlm", "mdlm-moe"):
         raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
 
@@ -115,14 +118,15 @@ def new_language_model(run: dict, device: str):
             # weights, bidirectional attention, and the AR head's alignment kept (output i predicts token i+1)
             model.config = replace(model.config, causal=False, shift=True)
         return model
-    if run["model"] == "mdlm-moe":
-        return MoETransformer(moe_config(run["preset"], **overrides, **moe_shape)).to(device)
+    if run["model"] in MOE_KINDS:
+        config = (ar_moe_config if run["model"] == "ar-moe" else moe_config)(run["preset"], **overrides, **moe_shape)
+        return MoETransformer(config).to(device)
     return Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
 
 
 def with_run_options(model, run: dict):
-    """The run's expert routing (mdlm-moe) and its noise blocks (None keeps --init's objective)."""
-    if run["model"] == "mdlm-moe":
+    """The run's expert routing (mdlm-moe, ar-moe) and its noise blocks (None keeps --init's objective)."""
+    if run["model"] in MOE_KINDS:
         set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
                     mask_vote=run["route_mask_vote"])
     if run["noise_block"] is not None:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tinydiff import progress
 from tinydiff.ar import ar_generate, ar_loss
+from tinydiff.ar_moe import ar_moe_loss
 from tinydiff.block_diffusion import diffusion_loss
 from tinydiff.checkpoint import StopOnSignal, brief_error, load_checkpoint, save_checkpoint
 from tinydiff.checks import COUNT
@@ -46,7 +47,7 @@ from tinydiff.training import evaluate, lr_at, make_optimizer
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
 OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
-              "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
+              "ar-moe": (ar_moe_loss, 1), "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
 
 
 def parse_args(argv=None):

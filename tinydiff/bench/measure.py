@@ -16,7 +16,7 @@ from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eval import score
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
-from tinydiff.kinds import load_model
+from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.regenerate import story_openings
 from tinydiff.tally import acceptance_by_slot
@@ -108,8 +108,8 @@ def load_models(args) -> dict:
     models = {}
     for name, path, kind, size in (("target", args.ckpt, "ar", "tiny"), ("draft", args.draft, "ar", "draft"),
                                    ("mdlm", args.mdlm, "mdlm", "tiny"), ("distilled", args.distilled, "mdlm", "tiny")):
-        if path:
-            models[name], _ = load_model(path, args.device, kinds=(kind,))
+        if path:  # the target may be an ar-moe (float or FP4 experts): the AR rows decode it as they do a dense one
+            models[name], _ = load_model(path, args.device, kinds=AR_KINDS if name == "target" else (kind,))
         else:
             print(f"notice: no checkpoint for the {name} model, timing an untrained '{size}' one "
                   "(speeds are real, text is not)", file=sys.stderr)

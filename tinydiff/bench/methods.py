@@ -17,7 +17,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.compiled import hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
-from tinydiff.dmoe import moe_stats, reset_stats, set_routing
+from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import speculative_generate
@@ -164,7 +164,9 @@ USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion
 def compiled_models(method: str, models: dict, args) -> dict | None:
     """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
-    samplers (no cache to make static) and dMoE (routing has no fixed shapes)."""
+    samplers (no cache to make static) and dMoE (routing has no fixed shapes), an ar-moe target included."""
+    if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
+        return None
     if method == "ar":
         return wrap(models, hot_steps("ar"))
     if method.startswith("spec-k"):

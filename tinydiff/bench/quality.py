@@ -27,7 +27,7 @@ from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
 from tinydiff.files import check_output
 from tinydiff.judge import sample_and_judge
-from tinydiff.kinds import load_model
+from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--route-threshold", type=MASS, help="block routing: coreset mass (default: its own)")
     p.add_argument("--route-mask-vote", type=POSITIVE, help="block routing: a MASK token's vote, against a "
                    "committed token's 1 (default: its own)")
-    p.add_argument("--ar", help="AR checkpoint to sample from as a baseline (skipped without it)")
+    p.add_argument("--ar", help="AR checkpoint (ar or ar-moe) to sample from as a baseline (skipped without it)")
     p.add_argument("--draft", help="with --curve and --ar: an AR draft for the speculative point")
     p.add_argument("--k", type=COUNT, default=4, help="draft tokens per round for the speculative point")
     p.add_argument("--samples", type=COUNT, default=64, help="stories per sampler")
@@ -108,9 +108,9 @@ def load_models(args) -> tuple[dict, str]:
                     if config.routing == "block":
                         routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
                                     f"mask vote {config.route_mask_vote:g})")
-    for key in ("ar", "draft"):
+    for key in ("ar", "draft"):  # the AR baseline may be an ar-moe (float or FP4 experts); a draft is dense
         if getattr(args, key):
-            models[key], _ = load_model(getattr(args, key), args.device, kinds=("ar",))
+            models[key], _ = load_model(getattr(args, key), args.device, kinds=AR_KINDS if key == "ar" else ("ar",))
     return models, routing
 
 

@@ -50,7 +50,7 @@ from tinydiff.tokenizer import EOT, Tokenizer
 
 def parse_args(argv=None):
     p = make_parser("python -m tinydiff.bench", "Benchmark every decoding method on the same prompts.")
-    p.add_argument("--ckpt", help="AR target checkpoint (default: an untrained tiny model)")
+    p.add_argument("--ckpt", help="AR target checkpoint, ar or ar-moe (default: an untrained tiny model)")
     p.add_argument("--draft", help="AR draft checkpoint for the spec rows (default: an untrained draft model)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint trained for --ckpt (default: an untrained one)")
     p.add_argument("--eagle", help="EAGLE-3 head checkpoint trained for --ckpt (default: an untrained one)")
