@@ -220,8 +220,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):
         start = self._clock(x)
         B, T, D = x.shape
-        logits = self.router(x)
-        logits = logits.to(wide(logits.dtype))  # (B, T, E), float32 even under autocast (float64 stays)
+        logits = self.router(x).to(wide(self.router.weight.dtype))  # (B, T, E): float32 under autocast too
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         coreset = None
         if self.routing == "block":
