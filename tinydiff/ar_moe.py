@@ -23,14 +23,16 @@ def ar_moe_config(name: str, **overrides) -> MoEConfig:
     return moe_config(name, **{**overrides, "causal": True})
 
 
-def ar_moe_loss(model, windows, generator=None):
-    """ar_loss on windows (B, T+1) + balance_coef * balance_loss(model); (loss, stats).
+def ar_moe_loss(model, windows, generator=None, base=ar_loss):
+    """base(model, windows) (ar_loss: next-token cross-entropy on windows (B, T+1)) + balance_coef *
+    balance_loss(model); (loss, stats).
 
-    stats: ce, the next-token cross-entropy (the balance term left out, so exp(ce) is the
-    perplexity), and balance: the Switch term per layer (mean over layers; 1 = perfectly balanced,
-    E = collapsed). `generator` is unused, as in ar_loss.
+    stats: base's (ce: with ar_loss, the next-token cross-entropy, the balance term left out, so
+    exp(ce) is the perplexity), and balance: the Switch term per layer (mean over layers; 1 =
+    perfectly balanced, E = collapsed). `generator` is unused, as in ar_loss. QAT against the
+    full-precision model (tinydiff/qat.py) passes soft_labels.soft_ar_loss as `base`.
     """
-    loss, stats = ar_loss(model, windows, generator)
+    loss, stats = base(model, windows, generator)
     balance = balance_loss(model)
     stats["balance"] = balance.detach() / len(moe_layers(model))
     return loss + model.config.balance_coef * balance, stats

@@ -10,7 +10,14 @@ as they are, unquantized, as MiMo keeps them. The checkpoint holds the float w, 
 form (`python -m tinydiff.quantize`) is exactly what the forward computed with.
 `train.py --init CKPT --qat mxfp4` (an `mdlm-moe` or `ar-moe` checkpoint); the run records the format and a
 resumed run fake-quantizes again.
-Leaves out: learned scales (LSQ), quantizing the activations, QAT for dense models.
+With `--target CKPT` (ar-moe; usually the --init checkpoint itself) the labels are the frozen
+full-precision model's distribution on the same windows instead of the corpus's next tokens:
+self-distillation, as LLM-QAT (Liu et al. 2023) recovers a quantized model. A drafter trained on
+the full-precision target predicts that target's choices; QAT on corpus tokens recovers the loss
+but lets the FP4 model choose differently where the float one was nearly tied, and each such
+choice rejects a draft.
+Leaves out: learned scales (LSQ), quantizing the activations, QAT for dense models, distillation
+targets for the diffusion MoE.
 """
 from dataclasses import replace
 from functools import partial
@@ -18,8 +25,10 @@ from functools import partial
 import torch
 
 from tinydiff import fp4
+from tinydiff.ar_moe import ar_moe_loss
 from tinydiff.dmoe import moe_layers
 from tinydiff.errors import UserError
+from tinydiff.soft_labels import soft_ar_loss
 
 
 def straight_through(w, fmt: str, block_size: int | None = None):
@@ -43,3 +52,10 @@ def fake_quantize_experts(model, fmt: str, block_size: int | None = None):
     for layer in layers:
         layer.weight_view = partial(straight_through, fmt=fmt, block_size=block_size)
     return model
+
+
+def matching_loss(target):
+    """The loss of an ar-moe QAT run with --target: H(p, q) of the fake-quantized model's next-token
+    distribution q against the frozen full-precision `target`'s p at temperature 1 (the model's own
+    distribution, unwarped), on the same windows (B, T+1), plus the balance term; (loss, stats)."""
+    return partial(ar_moe_loss, base=partial(soft_ar_loss, target=target, temperature=1.0))

@@ -18,12 +18,16 @@ from tinydiff.qat import fake_quantize_experts
 from tinydiff.run_config import DRAFTERS
 
 
-def load_target(run: dict, device: str):
-    """The frozen AR target (dense or MoE) a drafter (DFlash, EAGLE-3, an AR draft) trains against."""
+def load_target(run: dict, device: str, context: int = 0):
+    """The frozen AR target (dense or MoE) a drafter (DFlash, EAGLE-3, an AR draft) or an ar-moe QAT
+    run trains against; it must read windows of `context` tokens."""
     if not run["target"]:
         raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
                         "the AR model to draft for")
     target, _ = load_model(run["target"], device, kinds=AR_KINDS)
+    if target.config.context < context:
+        raise UserError(f"--target {run['target']} reads {target.config.context} tokens, this run's windows "
+                        f"{context}: pass --context {target.config.context} or a target with a longer context")
     return target.requires_grad_(False)
 
 
@@ -58,11 +62,23 @@ def check_flags_fit(run: dict):
         raise UserError("--routing applies to --model mdlm-moe only")
     if run["routing"] == "block" and run["model"] == "ar-moe":
         raise UserError("--routing block is for diffusion LMs (mdlm-moe); --model ar-moe routes by token")
+    if run["target"] and not uses_target(run):
+        raise UserError(f"--model {run['model']} does not use --target here: it is the model a draft learns "
+                        "(dflash, eagle3, or ar with --regenerate or --draft-temperature), or the full-precision "
+                        "model an ar-moe --qat run learns to match")
     if run["qat"] is not None and run["model"] not in MOE_KINDS:
         raise UserError("--qat fake-quantizes the experts of a mixture-of-experts model: use --model mdlm-moe or "
                         "ar-moe (and --init its full-precision checkpoint)")
     if run["distill"] and run["model"] not in ("mdlm", "mdlm-moe"):
         raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
+
+
+def uses_target(run: dict) -> bool:
+    """Whether the run trains against a frozen --target: a drafter, an AR draft on the target's text
+    or distribution, or an ar-moe QAT run matching its full-precision model (tinydiff/qat.py)."""
+    return (run["model"] in DRAFTERS or (run["model"] == "ar" and (run["regenerate"] is not None or
+                                                                    run["draft_temperature"] is not None))
+            or (run["model"] == "ar-moe" and run["qat"] is not None))
 
 
 def build_model(run: dict, device: str, ckpt=None, path=None):

@@ -37,6 +37,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.files import check_run_folder, claim_run_folder
 from tinydiff.precision import DTYPES, MixedPrecision, choose_dtype
+from tinydiff.qat import matching_loss
 from tinydiff.regenerate import FILES as REGENERATED, load_or_regenerate, trim_loops, validation_stories
 from tinydiff.run_config import DRAFTERS, STUDENT_SHAPE, add_flags, flag, given_settings, migrate, new_run
 from tinydiff.run_model import build_model, load_target
@@ -184,7 +185,8 @@ def training_data(run: dict, model, out: Path, token_paths, device):
         raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
                         "with --target")
     needs_target = run["regenerate"] is not None or (temperature is not None and run["model"] == "ar")
-    target = (model.target if run["model"] in DRAFTERS else load_target(run, device)) if needs_target else None
+    reads = model.config.context if temperature is not None else 0  # the AR draft's windows go through the target
+    target = (model.target if run["model"] in DRAFTERS else load_target(run, device, reads)) if needs_target else None
     if run["regenerate"] is not None:  # a draft learns the target's own text: what it will be asked to guess
         train_file, val_file = (out / name for name in REGENERATED)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
@@ -196,6 +198,8 @@ def training_data(run: dict, model, out: Path, token_paths, device):
     if temperature is not None:  # labels: the target's distribution at the temperature it will be sampled at
         loss_fn = functools.partial(soft_ar_loss, target=target, temperature=temperature) if run["model"] == "ar" else \
             functools.partial(loss_fn, temperature=temperature)
+    if run["qat"] is not None and run["target"]:  # labels: the full-precision model's distribution
+        loss_fn = matching_loss(load_target(run, device, context=model.config.context))
     if run["distill"]:  # the teacher's stories and the states inside them replace the windows
         return distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
     window = model.config.context + extra
