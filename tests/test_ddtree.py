@@ -261,9 +261,10 @@ def test_bad_input_is_a_clear_error(models):
 # small embeddings: a flat joint), read through a table that also answers tree-masked forwards
 # (TreeTableTarget in table_models).
 
-DIST_CASES = {  # oracle drafter (else random), temperature, top_k, top_p, budget, samples
-    "random drafter, budget 4": (False, 1.0, None, None, 4, 5_500),
-    "oracle drafter, budget 3, T 0.7, top-p 0.9": (True, 0.7, None, 0.9, 3, 7_000),
+DIST_CASES = {  # oracle drafter (else random), temperature, top_k, top_p, budget, samples, Markov head rank
+    "random drafter, budget 4": (False, 1.0, None, None, 4, 5_500, 0),
+    "oracle drafter, budget 3, T 0.7, top-p 0.9": (True, 0.7, None, 0.9, 3, 7_000, 0),
+    "random drafter with a Markov head, budget 4": (False, 1.0, None, None, 4, 5_500, 3),
 }
 
 
@@ -280,9 +281,9 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     Each case must also see rejections at the root, full-depth acceptances and acceptances on a
     branch (a node that is not its parent's first child), or it proves nothing about them.
     """
-    use_oracle, temperature, top_k, top_p, budget, n = DIST_CASES[case]
+    use_oracle, temperature, top_k, top_p, budget, n, markov_rank = DIST_CASES[case]
     model = random_model(DFLASH_DIST_CONFIG, seed=1, embed_std=0.1)
-    drafter = random_drafter(model, seed=5, block_size=4)
+    drafter = random_drafter(model, seed=5, block_size=4, markov_rank=markov_rank)
     oracle = Oracle(drafter, model) if use_oracle else None
     # Both drafters are nearly uniform over these 6 ids (the target's joint is flat), so their trees
     # would be all siblings at depth 1: sharpen them (logits x 4) so that trees grow deep and branch.

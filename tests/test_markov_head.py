@@ -12,6 +12,7 @@ from table_models import TableTarget
 import train
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint, save_checkpoint
+from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import dflash_loss
 from tinydiff.dflash_decode import argmax_drafts, dflash_generate, sampled_drafts
 from tinydiff.errors import UserError
@@ -65,9 +66,10 @@ def test_greedy_drafts_are_the_argmax_chain_of_the_biased_logits_and_the_output_
     sampled, q, _ = sampled_drafts(logits, (0.0, None, None), None, markov.markov, 464)  # "reject" at T = 0
     assert sampled.tolist() == chain and torch.equal(q, next_token_probs(torch.stack(rows), 0.0))
     prompt = [EOT, 464]
+    greedy = ar_generate(target, prompt, 24, temperature=0, stop_token=None)[0]
     for rule in ("match", "reject"):  # lossless at T = 0: the target's greedy text
-        out, _ = dflash_generate(target, markov, prompt, 24, temperature=0, stop_token=None, rule=rule)
-        assert out == ar_generate(target, prompt, 24, temperature=0, stop_token=None)[0]
+        assert dflash_generate(target, markov, prompt, 24, temperature=0, stop_token=None, rule=rule)[0] == greedy
+    assert ddtree_generate(target, markov, prompt, 24, budget=6, temperature=0, stop_token=None)[0] == greedy
 
 
 @pytest.mark.parametrize("rule", ["match", "reject"])

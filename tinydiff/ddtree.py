@@ -13,6 +13,8 @@ Each round, with committed sequence seq (S tokens) and both caches holding seq[:
   2. build:   `build_tree`: per depth the top-K log-probs (K = min(budget, V)); a best-first heap
               over prefixes, scored by the sum of their per-depth log-probs, pops `budget` nodes
               (the drafter's raw log-probs at every temperature: the tree sets tau, never the output);
+              with DSpark's Markov head, `build_markov_tree`: each node's children read the bias of
+              its own token, so a branch's deeper guesses follow the token it holds;
   3. compile: `compile_tree`: inputs [seq[-1], node tokens], position ids S-1 + depth, and a mask
               where a node sees the committed prefix, its ancestors and itself (never a sibling);
   4. verify:  ONE target forward over the tree (logits and hidden states at every node);
@@ -78,43 +80,85 @@ def build_tree(draft_logits, budget: int) -> Tree:
     """The `budget` highest-scoring prefixes of the drafter's per-depth guesses, as a tree.
 
     draft_logits (D, V): the drafter's logits for depths 1..D. Each depth keeps its top-K log-probs
-    (log-softmax in float32, float64 logits in float64; K = min(budget, V); MASK excluded when
-    V > MASK, and ids of probability 0 never enter). A prefix scores the sum of its tokens'
-    log-probs, each token read at its own depth.
-    Best-first heap: start with (root, depth 1, rank 0); each pop adds one node and pushes its next
-    sibling (same parent and depth, rank + 1) and its first child (depth + 1, rank 0). Both score no
-    more than the node itself, so nodes pop in descending score and the first `budget` pops are the
-    best `budget` prefixes; each node's parent was popped before it, so the result is a tree.
+    (`draft_logprobs`; K = min(budget, V); ids of probability 0 never enter). A prefix scores the
+    sum of its tokens' log-probs, each token read at its own depth: every node at one depth has the
+    same candidate children.
     """
+    check_tree_args(draft_logits, budget)
+    D, V = draft_logits.shape
+    top = torch.topk(draft_logprobs(draft_logits), min(budget, V), dim=-1) if D else None  # sorted, best first
+    values, ids = (top.values.tolist(), top.indices.tolist()) if D else ([], [])
+    return best_first(budget, D, lambda depth, token: (values[depth], ids[depth]))
+
+
+@torch.no_grad()
+def build_markov_tree(draft_logits, head, root_token: int, budget: int) -> Tree:
+    """build_tree for a drafter with DSpark's Markov head (tinydiff/markov_head.py): a node's children
+    are read from the next depth's logits plus the bias of the node's own token (the root's: root_token,
+    the newest committed one), as the head drafts a chain left to right. A prefix scores the sum of
+    its tokens' log-probs, each given the token before it. One head product (r x V) per node that
+    gets children. With the head's W2 = 0 this is build_tree, tree for tree.
+    """
+    check_tree_args(draft_logits, budget)
+    D, V = draft_logits.shape
+
+    def children(depth, token):
+        previous = torch.tensor(root_token if token < 0 else token, device=draft_logits.device)
+        row = draft_logits[depth] + head(previous).to(draft_logits.dtype)  # (V,): the biased logits
+        top = torch.topk(draft_logprobs(row), min(budget, V))
+        return top.values.tolist(), top.indices.tolist()
+    return best_first(budget, D, children)
+
+
+def check_tree_args(draft_logits, budget):
     check_budget(budget)
     if draft_logits.dim() != 2:
         raise UserError(f"draft_logits must have shape (depths, V), got {tuple(draft_logits.shape)}")
-    D, V = draft_logits.shape
-    logp = draft_logits.detach().to(wide(draft_logits.dtype)).cpu()
-    if V > MASK:
-        logp = logp.clone()
-        logp[:, MASK] = float("-inf")  # never drafted, as in next_token_probs
-    logp = torch.log_softmax(logp, -1)  # (D, V)
-    top = torch.topk(logp, min(budget, V), dim=-1) if D else None  # sorted, best first
-    values, ids = (top.values.tolist(), top.indices.tolist()) if D else ([], [])
-    tokens, depths, parents, scores = [-1], [0], [-1], [0.0]
-    heap, pushed = [], 0  # entries (-score, push order, parent, depth, rank): ties pop oldest first
 
-    def push(parent, depth, rank):
+
+def draft_logprobs(logits):
+    """Log-softmax (..., V) of drafter logits, on the CPU, in float32 (float64 logits: in float64);
+    MASK gets -inf when V > MASK, as in next_token_probs: it is never drafted."""
+    logp = logits.detach().to(wide(logits.dtype)).cpu()
+    if logp.shape[-1] > MASK:
+        logp = logp.clone()
+        logp[..., MASK] = float("-inf")
+    return torch.log_softmax(logp, -1)
+
+
+def best_first(budget: int, max_depth: int, children) -> Tree:
+    """The `budget` best prefixes as a tree. children(depth, token) -> (log-probs, ids), best first:
+    the candidate children of a node at `depth` (0..max_depth-1) carrying `token` (-1: the root).
+    Heap: start with the root's first child; each pop adds one node and pushes its next sibling
+    (same parent, rank + 1) and its first child (rank 0). Both score no more than the node itself,
+    so nodes pop in descending score and the first `budget` pops are the best `budget` prefixes;
+    each node's parent was popped before it, so the result is a tree.
+    """
+    tokens, depths, parents, scores = [-1], [0], [-1], [0.0]
+    candidates = {}  # node -> its children's (log-probs, ids)
+    heap, pushed = [], 0  # entries (-score, push order, parent, rank): ties pop oldest first
+
+    def push(parent, rank):
         nonlocal pushed
-        if depth <= D and rank < len(values[depth - 1]) and values[depth - 1][rank] > float("-inf"):
-            heapq.heappush(heap, (-(scores[parent] + values[depth - 1][rank]), pushed, parent, depth, rank))
+        values = candidates[parent][0]
+        if rank < len(values) and values[rank] > float("-inf"):
+            heapq.heappush(heap, (-(scores[parent] + values[rank]), pushed, parent, rank))
             pushed += 1
 
-    push(0, 1, 0)
+    def expand(node):
+        if depths[node] < max_depth:
+            candidates[node] = children(depths[node], tokens[node])
+            push(node, 0)
+
+    expand(0)
     while heap and len(tokens) <= budget:
-        neg_score, _, parent, depth, rank = heapq.heappop(heap)
-        tokens.append(ids[depth - 1][rank])
-        depths.append(depth)
+        neg_score, _, parent, rank = heapq.heappop(heap)
+        tokens.append(candidates[parent][1][rank])
+        depths.append(depths[parent] + 1)
         parents.append(parent)
         scores.append(-neg_score)
-        push(parent, depth, rank + 1)  # next sibling
-        push(len(tokens) - 1, depth + 1, 0)  # first child
+        push(parent, rank + 1)  # next sibling
+        expand(len(tokens) - 1)  # first child
     n = len(tokens)
     visibility = torch.zeros(n, n, dtype=torch.bool)
     visibility[0, 0] = True
@@ -207,7 +251,9 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
         start = target_cache.length  # = len(seq) - 1, the root's position
         if depth:
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
-            tree = build_tree(logits, min(budget, context - len(seq)))  # S + N rows must fit the cache
+            n = min(budget, context - len(seq))  # S + N rows must fit the cache
+            tree = (build_tree(logits, n) if drafter.markov is None
+                    else build_markov_tree(logits, drafter.markov, seq[-1], n))
         else:
             tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
         ids, pos, mask = compile_tree(tree, start, seq[-1], device)

@@ -12,8 +12,9 @@ alone, a lookup and an (r x V) product per slot (`draft_left_to_right`). Trainin
 beside the drafter with the text's own previous token (teacher forcing, dflash.dflash_loss).
 W2 starts at zero, so a new head is plain DFlash until training moves it, and a head of rank 0 or
 with W2 = 0 is exactly plain DFlash (the tests hold both).
-Leaves out: DSpark's confidence-scheduled verify length, the bias in DDTree's trees (a tree's depth
-has many previous tokens; ddtree.py reads the drafter's unbiased logits, which stays lossless).
+DDTree reads the head too (ddtree.build_markov_tree): a tree's depth has many previous tokens, so
+each node's children get the bias of that node's own token.
+DSpark's confidence-scheduled verify length is in dflash_decode.py (`min_confidence`).
 """
 import torch
 import torch.nn as nn
