@@ -198,6 +198,15 @@ def test_bench_refuses_a_json_path_it_cannot_write_before_any_work(tmp_path, mon
         bench.main(["--methods", "ar", "--json", str(tmp_path / "missing" / "x.json")])
 
 
+def test_bench_fr_rows_need_data_before_any_work(monkeypatch):
+    monkeypatch.setattr(bench, "load_models", lambda args: pytest.fail("loaded models before checking --data"))
+    with pytest.raises(UserError, match="-fr rows count the draft's vocabulary on --data"):
+        bench.main(["--methods", "ar,spec-k4-fr"])
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            bench.main(["--methods", "spec-k4-fr", "--draft-vocab", bad])
+
+
 def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     from tinydiff.dmoe import MoETransformer, moe_config
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8))
@@ -209,8 +218,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     rows = {r["method"]: r for r in report["rows"]}
     assert list(rows) == list(bench.METHODS)
     assert rows["ar"]["tau"] == 1 and rows["ar"]["target_forwards_per_token"] == 1 and rows["ar"]["speedup_vs_ar"] == 1
-    for k in (2, 4, 8):
-        spec = rows[f"spec-k{k}"]
+    for name, k in (("spec-k2", 2), ("spec-k4", 4), ("spec-k8", 8), ("spec-k2-fr", 2), ("spec-k4-fr", 4)):
+        spec = rows[name]
         assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
         assert spec["loop_c"] > 0 and spec["loop_v"] > 0 and spec["predicted_at_loop_costs"] == pytest.approx(
             expected_tokens_per_round(spec["alpha"], k) / (k * spec["loop_c"] + spec["loop_v"]))

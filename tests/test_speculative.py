@@ -19,6 +19,7 @@ from table_models import TableModel, TokenCache
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
+from tinydiff.frequent_vocab import FrequentVocabDraft
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampling import residual, warp
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate
@@ -282,6 +283,8 @@ CASES = {
     "one-hot draft": Case(lambda target: one_hot(good_draft(target)), k=2),
     "temperature 0.7": Case(random_draft, k=3, temperature=0.7, samples=10_000),
     "top-k 3, top-p 0.9": Case(random_draft, k=2, top_k=3, top_p=0.9, samples=12_000),
+    # FR-Spec's draft: ids 3 and 5 are never drafted, so they reach the output only through the residual.
+    "frequent-vocab draft": Case(lambda target: FrequentVocabDraft(good_draft(target), [0, 1, 2, 4]), k=2),
     # End to end through the real KV caches: a flatter target (T 1.5) needs fewer samples.
     "real caches": Case(random_draft, k=2, temperature=1.5, samples=6_000, table=False),
 }
@@ -300,7 +303,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     chi-square with lam >= N DELTA^2 (1 - P) / P, smallest for the heaviest bin. Here the heaviest
     bins weigh 0.04-0.09 and there are 23-41 bins, so 6,000-12,000 samples catch such an error
     with probability 0.93-0.98 (per case: good, random, one-hot 0.98; temperature 0.7 0.93;
-    top-k/top-p 0.96; real caches 0.94). The power is computed from the exact joint and asserted,
+    top-k/top-p 0.96; real caches 0.94; frequent-vocab draft 0.98). The power is computed from the exact joint and asserted,
     so a change that weakens the test fails loudly instead of passing silently. (Rare
     continuations share bins, so mass moved only among the members of one bin goes unseen.)
     """

@@ -12,6 +12,7 @@ import torch
 from tinydiff.bench.methods import MEANS
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
+from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eval import score
@@ -115,6 +116,9 @@ def load_models(args) -> dict:
                   "(speeds are real, text is not)", file=sys.stderr)
             torch.manual_seed(args.seed)
             models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
+    if any(m.strip().endswith("-fr") for m in args.methods.split(",")):  # FR-Spec: counted on the training split
+        ids = frequent_ids(load_tokens(prepare_tokens(args.data)[0]), args.draft_vocab)
+        models["draft_fr"] = FrequentVocabDraft(models["draft"], ids)
     if args.drafter:
         models["drafter"] = drafter_from(load_checkpoint(args.drafter), models["target"], args.drafter)
     else:

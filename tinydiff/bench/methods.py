@@ -4,7 +4,8 @@ A runner decodes one prompt and returns counts that the bench sums over prompts:
 new_tokens, seconds, target_forwards, and for speculative methods the accepted-count histogram
 (`accepted`), the drafts `proposed`, for chains the rounds that `rejected` a draft, and per draft
 slot the rounds that judged it and kept it (`slot_judged`, `slot_kept`). `models`
-holds "target" (the AR model), "draft" (the small AR draft), "drafter" (the DFlash drafter),
+holds "target" (the AR model), "draft" (the small AR draft), "draft_fr" (the draft with FR-Spec's
+pruned head, for the -fr rows), "drafter" (the DFlash drafter),
 "eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM), "distilled" (a diffusion LM distilled for
 parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
@@ -49,6 +50,11 @@ def run_spec(models, prompt, args, generator, k):
     ids, result = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
                                        args.temperature, generator=generator, stop_token=None)
     return {**chain_counts(ids, result), "draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
+
+
+def run_spec_fr(models, prompt, args, generator, k):
+    """spec with FR-Spec's draft: its head scores only the --draft-vocab ids most frequent in --data."""
+    return run_spec({**models, "draft": models["draft_fr"]}, prompt, args, generator, k)
 
 
 def chain_counts(ids, result):
@@ -123,6 +129,7 @@ METHODS = {
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
+    **{f"spec-k{k}-fr": (lambda *a, k=k: run_spec_fr(*a, k=k)) for k in (2, 4)},
     "ssd-f1": lambda *a: run_ssd(*a, fan_out=1),
     "ssd-f3": lambda *a: run_ssd(*a, fan_out=3),
     "ssd-f8": lambda *a: run_ssd(*a, fan_out=8),
@@ -155,6 +162,11 @@ def block_of(method: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def draft_count(method: str) -> int:
+    """k, the drafts per round of a spec-k<k>[-fr] row."""
+    return int(re.match(r"spec-k(\d+)", method).group(1))
+
+
 # method -> the model whose held-out NLL stands beside it (default: the diffusion LM)
 USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion", "dmoe"))},
         **{name: "distilled" for name in METHODS if name.startswith("diffusion-distilled")},
@@ -169,8 +181,10 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return None
     if method == "ar":
         return wrap(models, hot_steps("ar"))
+    if method.endswith("-fr"):  # FR-Spec's pruned draft is not one of the compiled steps
+        return None
     if method.startswith("spec-k"):
-        return wrap(models, hot_steps("spec", k=int(method[len("spec-k"):])))
+        return wrap(models, hot_steps("spec", k=draft_count(method)))
     if block_of(method):
         return wrap(models, hot_steps("dflash", block_size=block_of(method)))
     if method.startswith("ddtree-n"):

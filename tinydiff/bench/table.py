@@ -35,7 +35,7 @@ import sys
 from tqdm import tqdm
 
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models
+from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models, draft_count
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
@@ -62,7 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--min-confidence", type=PROBABILITY, default=0.3, help="for the dflash-*-sched rows: verify "
                    "the drafts before the first one the drafter gives under this probability")
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
+    p.add_argument("--draft-vocab", type=COUNT, default=4096, help="for the spec-*-fr rows (FR-Spec): the draft's "
+                   "head scores only this many ids, the most frequent in --data's training split")
+    p.add_argument("--methods", help=f"comma list from: {', '.join(METHODS)} (default: all; the -fr rows only "
+                   "with --data, where they count their vocabulary)")
     p.add_argument("--new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
     p.add_argument("--prompts", type=COUNT, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
                    "(with --openings or --report: how many held-out story openings)")
@@ -85,11 +88,15 @@ def parse_args(argv=None):
 
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
+    if args.methods is None:
+        args.methods = ",".join(m for m in METHODS if args.data or not m.endswith("-fr"))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
     check_device(args.device)
+    if any(m.endswith("-fr") for m in methods) and not args.data:
+        raise UserError("the -fr rows count the draft's vocabulary on --data's training split: add --data FILE")
     if args.openings and not args.data:
         raise UserError("--openings draws story openings from --data's validation split: add --data FILE")
     if args.prompts > len(PROMPTS) and not (args.report or args.openings):
@@ -124,7 +131,7 @@ def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict],
         if "nodes_per_round" in row and dflash:
             row["speedup_vs_dflash"] = row["tokens_per_s"] / dflash
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
-            k = int(row["method"][len("spec-k"):])
+            k = draft_count(row["method"])
             row["predicted_speedup"] = leviathan_speedup(row["alpha"], k, c)
             if ar_speed:  # the same formula, each cost in `ar` steps as the loop paid it
                 row["loop_c"], row["loop_v"] = row["seconds_per_draft"] * ar_speed, row["seconds_per_verify"] * ar_speed

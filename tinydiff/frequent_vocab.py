@@ -1,0 +1,66 @@
+"""FR-Spec's frequency-ranked draft vocabulary: the draft's LM head keeps only the N most frequent tokens.
+
+Paper: Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked
+Speculative Sampling". In a small draft the tied LM head is most of a decoding step: every drafted
+token reads all 50,258 rows of it. Text uses few of them (a few thousand ids cover nearly all of
+TinyStories), so the draft scores only the N ids most frequent in a corpus and reads N rows.
+
+Lossless by construction: only the draft changes. It proposes ids of the subset alone (q = 0
+elsewhere), the target still scores the whole vocabulary, and the acceptance rule is the same. A token
+outside the subset is never drafted but comes back through the residual max(0, p - q), which holds
+its full target probability, so the output is still the target's distribution (greedy decoding at
+T = 0). What the subset costs is acceptance: the target's mass outside it is never accepted.
+The draft's logits come back V wide, -inf outside the subset, so speculative.py runs unchanged.
+
+Leaves out: the paper's fused top-k kernel, and the target's head (pruning it would change the output).
+"""
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinydiff.errors import UserError
+from tinydiff.tokenizer import EOT
+
+
+def frequent_ids(tokens, n: int, always=(EOT,)) -> torch.Tensor:
+    """The n ids most frequent in `tokens` (ids: a tensor or an array, such as a token file's memmap), ties to the lower id, always including
+    the ids of `always` (EOT: it ends every story); sorted ascending, (n,) long."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < len(always) + 1:
+        raise UserError(f"the draft vocabulary must be an integer of at least {len(always) + 1} ids, got {n!r}")
+    counts = torch.bincount(torch.as_tensor(np.asarray(tokens, dtype=np.int64)).flatten()).double()  # (max id + 1,)
+    if len(counts) <= max(always, default=0):
+        counts = torch.cat([counts, counts.new_zeros(max(always) + 1 - len(counts))])
+    counts[list(always)] = float("inf")  # kept first, whatever the text holds
+    if n > len(counts):
+        raise UserError(f"asked for a draft vocabulary of {n} ids, but the text holds only ids below {len(counts)}")
+    # A stable sort on -count keeps equal counts in id order: the lower id wins a tie.
+    order = torch.sort(-counts, stable=True).indices
+    return order[:n].sort().values
+
+
+class FrequentVocabDraft(nn.Module):
+    """An AR draft (tinydiff.model.Transformer) whose head scores only `ids`: a drop-in draft for
+    speculative.py. Its logits (B, T, V) equal the draft's own at `ids` and are -inf elsewhere."""
+
+    def __init__(self, draft, ids):
+        super().__init__()
+        V = draft.config.vocab_size
+        ids = torch.as_tensor(ids, dtype=torch.long, device=draft.embed.weight.device)
+        if ids.dim() != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= V or len(ids.unique()) != len(ids):
+            raise UserError(f"the draft vocabulary must be distinct ids in [0, {V}), got {len(ids)} ids")
+        self.draft = draft
+        self.config, self.embed = draft.config, draft.embed  # what speculative.py reads of a draft
+        self.register_buffer("ids", ids)
+        self.rows = nn.Parameter(draft.embed.weight.detach()[ids].clone(), requires_grad=False)  # (N, d): read contiguously
+
+    def new_cache(self, *args, **kwargs):
+        return self.draft.new_cache(*args, **kwargs)
+
+    def forward(self, idx, **kwargs):
+        """The draft's forward with its head on the subset; the same keyword arguments."""
+        T, n = idx.shape[1], self.draft.config.n_layer
+        _, (x,) = self.draft(idx, head_from=T, hidden_layers=[n], **kwargs)  # no full head: (B, 0, V) logits
+        small = F.linear(self.draft.norm(x), self.rows)  # (B, T, N)
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # (B, T, V)
+        return full.index_copy_(-1, self.ids, small)
