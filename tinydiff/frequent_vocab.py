@@ -24,8 +24,8 @@ from tinydiff.tokenizer import EOT
 
 
 def frequent_ids(tokens, n: int, always=(EOT,)) -> torch.Tensor:
-    """The n ids most frequent in `tokens` (ids: a tensor or an array, such as a token file's memmap), ties to the lower id, always including
-    the ids of `always` (EOT: it ends every story); sorted ascending, (n,) long."""
+    """The n ids most frequent in `tokens` (a tensor or an array of ids, a token file's memmap too), ties
+    to the lower id, always including the ids of `always` (EOT: it ends every story); sorted, (n,) long."""
     if not isinstance(n, int) or isinstance(n, bool) or n < len(always) + 1:
         raise UserError(f"the draft vocabulary must be an integer of at least {len(always) + 1} ids, got {n!r}")
     counts = torch.bincount(torch.as_tensor(np.asarray(tokens, dtype=np.int64)).flatten()).double()  # (max id + 1,)
@@ -52,7 +52,7 @@ class FrequentVocabDraft(nn.Module):
         self.draft = draft
         self.config, self.embed = draft.config, draft.embed  # what speculative.py reads of a draft
         self.register_buffer("ids", ids)
-        self.rows = nn.Parameter(draft.embed.weight.detach()[ids].clone(), requires_grad=False)  # (N, d): read contiguously
+        self.register_buffer("rows", draft.embed.weight.detach()[ids].clone())  # (N, d): read contiguously
 
     def new_cache(self, *args, **kwargs):
         return self.draft.new_cache(*args, **kwargs)

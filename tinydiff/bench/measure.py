@@ -12,10 +12,10 @@ import torch
 from tinydiff.bench.methods import MEANS
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
-from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eval import score
+from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.model import Transformer, preset
