@@ -28,9 +28,8 @@ def frequent_ids(tokens, n: int, always=(EOT,)) -> torch.Tensor:
     to the lower id, always including the ids of `always` (EOT: it ends every story); sorted, (n,) long."""
     if not isinstance(n, int) or isinstance(n, bool) or n < len(always) + 1:
         raise UserError(f"the draft vocabulary must be an integer of at least {len(always) + 1} ids, got {n!r}")
-    counts = torch.bincount(torch.as_tensor(np.asarray(tokens, dtype=np.int64)).flatten()).double()  # (max id + 1,)
-    if len(counts) <= max(always, default=0):
-        counts = torch.cat([counts, counts.new_zeros(max(always) + 1 - len(counts))])
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).flatten()
+    counts = torch.bincount(ids, minlength=max(always, default=-1) + 1).double()  # (max id + 1,), `always` included
     counts[list(always)] = float("inf")  # kept first, whatever the text holds
     if n > len(counts):
         raise UserError(f"asked for a draft vocabulary of {n} ids, but the text holds only ids below {len(counts)}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tinydiff.bench.methods import MEANS
+from tinydiff.bench.methods import FR_ROWS, MEANS
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
@@ -116,7 +116,7 @@ def load_models(args) -> dict:
                   "(speeds are real, text is not)", file=sys.stderr)
             torch.manual_seed(args.seed)
             models[name] = Transformer(preset(size, causal=kind == "ar")).to(args.device).eval()
-    if any(m.strip().endswith("-fr") for m in args.methods.split(",")):  # FR-Spec: counted on the training split
+    if FR_ROWS.intersection(m.strip() for m in args.methods.split(",")):  # FR-Spec: counted on the training split
         ids = frequent_ids(load_tokens(prepare_tokens(args.data)[0]), args.draft_vocab)
         models["draft_fr"] = FrequentVocabDraft(models["draft"], ids)
     if args.drafter:

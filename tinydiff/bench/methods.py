@@ -156,6 +156,9 @@ METHODS = {
 }
 
 
+FR_ROWS = {name for name in METHODS if name.endswith("-fr")}  # the rows that decode with models["draft_fr"]
+
+
 def block_of(method: str) -> int | None:
     """The block size a dflash-b<B>[-rule] row drafts (None for other methods)."""
     found = re.match(r"dflash-b(\d+)", method)
@@ -181,7 +184,7 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return None
     if method == "ar":
         return wrap(models, hot_steps("ar"))
-    if method.endswith("-fr"):  # FR-Spec's pruned draft is not one of the compiled steps
+    if method in FR_ROWS:  # FR-Spec's pruned draft is not one of the compiled steps
         return None
     if method.startswith("spec-k"):
         return wrap(models, hot_steps("spec", k=draft_count(method)))

@@ -35,7 +35,7 @@ import sys
 from tqdm import tqdm
 
 from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES, block_of, compiled_models, draft_count
+from tinydiff.bench.methods import FR_ROWS, METHODS, USES, block_of, compiled_models, draft_count
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
@@ -89,13 +89,13 @@ def parse_args(argv=None):
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     if args.methods is None:
-        args.methods = ",".join(m for m in METHODS if args.data or not m.endswith("-fr"))
+        args.methods = ",".join(m for m in METHODS if args.data or m not in FR_ROWS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UserError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
     check_device(args.device)
-    if any(m.endswith("-fr") for m in methods) and not args.data:
+    if FR_ROWS.intersection(methods) and not args.data:
         raise UserError("the -fr rows count the draft's vocabulary on --data's training split: add --data FILE")
     if args.openings and not args.data:
         raise UserError("--openings draws story openings from --data's validation split: add --data FILE")
