@@ -37,6 +37,7 @@ from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, P
 from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.compiled import compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
+from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import RULES, dflash_generate
 from tinydiff.dmoe import MOE_KINDS, moe_stats, reset_stats, routing_from_flags
@@ -59,7 +60,7 @@ DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshol
 USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
            "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
-           "rule": ("dflash",), "min_confidence": ("dflash",),
+           "rule": ("dflash", "ddtree"), "min_confidence": ("dflash",),
            "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion"),
            **{key: ("diffusion",) for key in DIFFUSION_FLAGS}}
 
@@ -94,7 +95,9 @@ def parse_args(argv=None):
     spec.add_argument("--drafter", help="--method dflash/ddtree: the DFlash drafter; --method eagle3: the EAGLE-3 head")
     spec.add_argument("--block-size", type=BLOCK, help="--method dflash/ddtree: block size (default: the drafter's)")
     spec.add_argument("--rule", choices=list(RULES), help="--method dflash: keep argmax drafts that match the "
-                      "target's samples (match, the default) or sample them and apply the rejection rule (reject)")
+                      "target's samples (match, the default) or sample them and apply the rejection rule (reject); "
+                      "--method ddtree: a tree of the drafter's top guesses that follows the target's samples (match), "
+                      "or of sampled children judged by recursive rejection sampling (reject, for T > 0)")
     spec.add_argument("--min-confidence", type=PROBABILITY, help="--method dflash: verify only the drafts before the "
                       "first one the drafter gives under this probability (DSpark's verify length)")
     spec.add_argument("--budget", type=COUNT, help="tree nodes verified per round (ddtree: default 32; eagle3: a tree "
@@ -202,7 +205,8 @@ def run_speculative(model, prompt, args, generator, warping):
     if args.method == "ddtree":
         budget = 32 if args.budget is None else args.budget
         model, drafter = compiled(args, "ddtree", target=model, drafter=drafter, block_size=block_size, budget=budget)
-        return ddtree_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
+        decode = ddtree_sampled_generate if args.rule == "reject" else ddtree_generate
+        return decode(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
     model, drafter = compiled(args, "dflash", target=model, drafter=drafter, block_size=block_size)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator,
                            rule=args.rule or "match", min_confidence=args.min_confidence)

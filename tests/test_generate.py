@@ -127,6 +127,9 @@ def test_dflash_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
     assert dflash["ids"] == ar["ids"] == via_config["ids"] == scheduled["ids"]
     assert len(dflash["stats"]["accepted"]) == 4 and len(via_config["stats"]["accepted"]) == 3
     assert scheduled["stats"]["slot_judged"][0] > 0 and not any(scheduled["stats"]["slot_judged"][1:])
+    sampled_tree = json.loads(run(*common[:-3], "--temperature", 1, "--seed", 3, "--json", "--method", "ddtree",
+                                  "--drafter", tmp_path / "drafter.pt", "--rule", "reject", "--budget", 4).stdout)
+    assert len(sampled_tree["ids"]) == 12 and sampled_tree["stats"]["nodes_per_round"] <= 4
     res = run("--ckpt", ckpt, "--prompt", "hi", "--method", "ddtree", "--drafter", tmp_path / "drafter.pt",
               "--min-confidence", 0.5)
     assert "--min-confidence" in res.stderr.strip().splitlines()[-1] and res.returncode != 0
@@ -235,6 +238,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for n in (8, 16, 32, 64, 128):
         tree = rows[f"ddtree-n{n}"]
         assert 0 < tree["tau"] <= 16 and 0 < tree["nodes_per_round"] <= n  # tau counts the prefill forward too
+    for n in (16, 32, 64):  # greedy: a sampled tree is the plain tree, round for round
+        assert rows[f"ddtree-n{n}-reject"]["accepted_hist"] == rows[f"ddtree-n{n}"]["accepted_hist"]
         rounds = sum(tree["accepted_hist"])  # every round judges slot 1 but a last one without room for drafts
         assert len(tree["acceptance_by_slot"]) == 15 and rounds - 2 <= tree["slot_judged"][0] <= rounds
         assert tree["speedup_vs_dflash"] == pytest.approx(tree["tokens_per_s"] / rows["dflash-b16"]["tokens_per_s"])

@@ -234,13 +234,28 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     nodes verified (nodes_per_round: the tree rows each verify forward computes), no rejected or
     alpha (most nodes are alternatives, not a chain's judged drafts), forwards = rounds + the prefill.
     """
+    def grow(logits, root_token, n):
+        return build_tree(logits, n) if drafter.markov is None else build_markov_tree(logits, drafter.markov,
+                                                                                       root_token, n)
+
+    def judge(tree, p_at):
+        return follow_tree(tree, p_at, generator)
+    return decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, (temperature, top_k, top_p),
+                             grow, judge, stop_token, on_round)
+
+
+def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, warp_args, grow, judge,
+                      stop_token=EOT, on_round=None):
+    """The round loop every DDTree variant shares (ddtree_generate's arguments and result):
+    grow(draft_logits (D, V), root_token, n) -> a Tree of at most n nodes; judge(tree, p_at) ->
+    (path, bonus), p_at(node) the target's warped distribution (V,) at a node of the verified tree."""
     check_budget(budget)
-    check_warp_args(temperature, top_k, top_p)
+    check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
         raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
     B = check_drafter(target, drafter, block_size)
-    warp_args, layers = (temperature, top_k, top_p), drafter.config.taps
+    layers = drafter.config.taps
     device, context = target.embed.weight.device, target.config.context
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
@@ -251,14 +266,12 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
         start = target_cache.length  # = len(seq) - 1, the root's position
         if depth:
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
-            n = min(budget, context - len(seq))  # S + N rows must fit the cache
-            tree = (build_tree(logits, n) if drafter.markov is None
-                    else build_markov_tree(logits, drafter.markov, seq[-1], n))
+            tree = grow(logits, seq[-1], min(budget, context - len(seq)))  # S + N rows must fit the cache
         else:
             tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
         ids, pos, mask = compile_tree(tree, start, seq[-1], device)
         logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
-        path, bonus = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
+        path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
         tokens = tree.tokens[path].tolist() + [bonus]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens

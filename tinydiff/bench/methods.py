@@ -17,6 +17,7 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
+from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.eagle_decode import eagle_generate
@@ -103,6 +104,14 @@ def run_ddtree(models, prompt, args, generator, budget):
     return tree_counts(ids, result)
 
 
+def run_ddtree_reject(models, prompt, args, generator, budget):
+    """The same drafter pass grown into a tree of sampled children (ddtree_sampled.py), judged by
+    recursive rejection sampling: lossless at every temperature, built for T > 0 (ddtree-n<N> at T = 0)."""
+    ids, result = ddtree_sampled_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
+                                          args.temperature, generator=generator, stop_token=None)
+    return tree_counts(ids, result)
+
+
 def run_eagle(models, prompt, args, generator, k, budget=None):
     """The EAGLE-3 head drafts a chain of k tokens, or a tree of `budget` nodes k deep, 4 wide."""
     ids, result = eagle_generate(models["target"], models["eagle"], prompt, args.new_tokens, k, budget, 4,
@@ -143,6 +152,7 @@ METHODS = {
     "dflash-b16-sched": lambda *a: run_dflash(*a, block_size=16, min_confidence=a[2].min_confidence),
     "dflash-b16-reject-sched": lambda *a: run_dflash(*a, block_size=16, rule="reject", min_confidence=a[2].min_confidence),
     **{f"ddtree-n{n}": (lambda *a, n=n: run_ddtree(*a, budget=n)) for n in (8, 16, 32, 64, 128)},
+    **{f"ddtree-n{n}-reject": (lambda *a, n=n: run_ddtree_reject(*a, budget=n)) for n in (16, 32, 64)},
     "eagle3-chain": lambda *a: run_eagle(*a, k=4),
     "eagle3-tree": lambda *a: run_eagle(*a, k=6, budget=32),
     "diffusion": run_diffusion,
@@ -192,7 +202,7 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return wrap(models, hot_steps("dflash", block_size=block_of(method)))
     if method.startswith("ddtree-n"):
         block = models["drafter"].config.block_size
-        return wrap(models, hot_steps("ddtree", block_size=block, budget=int(method[len("ddtree-n"):])))
+        return wrap(models, hot_steps("ddtree", block_size=block, budget=int(re.match(r"ddtree-n(\d+)", method).group(1))))
     if method.startswith("eagle3-"):
         return wrap(models, hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32))
     role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
