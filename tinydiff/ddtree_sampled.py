@@ -14,7 +14,7 @@ and the target judges them in the order they were drawn (`follow_sampled_tree`):
         else: R = norm(max(R - Q, 0)); Q(x) = 0, Q = norm(Q)   (Q: the law of the next draw)
     no child accepted, or a leaf reached: the bonus is a sample of R
 
-Each test is speculative sampling of R with the proposal Q, so a node's output follows R whatever Q
+Each step is speculative sampling of R with the proposal Q, so a node's output follows R whatever Q
 is; by induction on the children, and then on the depth, every committed token is the target's
 sample given its committed prefix: lossless. That needs each child to be a fresh draw from Q, so
 whether a child exists must never depend on the token drawn into it.
@@ -22,8 +22,8 @@ whether a child exists must never depend on the token drawn into it.
 Shape (Sequoia's positional rule): a_k is the chance that a node's k-th drawn child is the one
 accepted; a prefix scores the product of a over its ranks and `best_first` keeps the `budget` best.
 Scores read ranks only, never tokens, which is the condition above. `RankAcceptance` estimates a
-from the rounds decoded so far (accepted / tested per rank, from a flat prior): committed history
-only, so it cannot bias a round. At T = 0 a sample of a one-hot q is its argmax, one child per node;
+from the rounds verified so far (accepted / tested per rank, from a flat prior): a round's shape is
+fixed before its draws and its verify, so it cannot bias that round. At T = 0 a sample of a one-hot q is its argmax, one child per node;
 `ddtree_sampled_generate` then runs ddtree_generate, whose top-K tree is the greedy optimum.
 
 Leaves out: Sequoia's hardware-aware depth and budget search, SpecTr's optimal-transport verify, and
@@ -186,7 +186,8 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
                                generator, stop_token, on_round)
     if acceptance is not None and not isinstance(acceptance, RankAcceptance):
         raise UserError(f"acceptance must be a RankAcceptance, got {type(acceptance).__name__}")
-    acceptance = RankAcceptance(budget if isinstance(budget, int) else 1) if acceptance is None else acceptance
+    check_budget(budget)
+    acceptance = RankAcceptance(budget) if acceptance is None else acceptance
     warp_args, distributions = (temperature, top_k, top_p), {}
 
     def grow(logits, root_token, n):
