@@ -42,6 +42,11 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
     if lesson.name in ("07_dflash.py", "08_ddtree.py"):  # the claim: the loops write greedy ar's tokens
         verdicts = re.findall(r"same as ar: (\w+)", res.stdout)
         assert len(verdicts) >= 2 and set(verdicts) == {"True"}
+    if lesson.name == "08_ddtree.py":  # and at T = 1, sampled children judged by rejection keep more than top-k ones
+        kept = [(float(a), float(b)) for a, b in re.findall(r"kept if p's sample is one: ([\d.]+) \| .* rejection: ([\d.]+)",
+                                                             res.stdout)]
+        assert len(kept) == 2 and all(by_rejection > top_k for top_k, by_rejection in kept)
+        assert kept[1][1] >= kept[0][1]
     if lesson.name == "06_speculative.py":  # the same claim, for every k of the table
         verdicts = re.findall(r"^\s+\d+\s+(True|False)\s", res.stdout, re.M)
         assert len(verdicts) >= 4 and set(verdicts) == {"True"}
