@@ -23,8 +23,9 @@ Shape (Sequoia's positional rule): a_k is the chance that a node's k-th drawn ch
 accepted; a prefix scores the product of a over its ranks and `best_first` keeps the `budget` best.
 Scores read ranks only, never tokens, which is the condition above. `RankAcceptance` estimates a
 from the rounds verified so far (accepted / tested per rank, from a flat prior): a round's shape is
-fixed before its draws and its verify, so it cannot bias that round. At T = 0 a sample of a one-hot q is its argmax, one child per node;
-`ddtree_sampled_generate` then runs ddtree_generate, whose top-K tree is the greedy optimum.
+fixed before its draws and its verify, so it cannot bias that round. At T = 0 a sample of a one-hot q
+is its argmax, one child per node; `ddtree_sampled_generate` then runs ddtree_generate, whose top-K
+tree is the greedy optimum.
 
 Leaves out: Sequoia's hardware-aware depth and budget search, SpecTr's optimal-transport verify, and
 shapes that read the drafter's confidence per node (they must not read a child's own token).
@@ -194,10 +195,8 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
         distributions["q"] = node_distributions(logits, drafter.markov, root_token, warp_args)
         return build_sampled_tree(distributions["q"], acceptance.rates(), len(logits), n, generator)
 
-    def judge(tree, p_at):
-        if tree.size == 0:  # no draft this round (the last token): the target's one sample
-            return [], int(sample(p_at(0), generator))
-        path, bonus = follow_sampled_tree(tree, p_at, distributions["q"], generator)
+    def judge(tree, p_at):  # a root alone (no draft: the last token) reads no q, and its walk is p's one sample
+        path, bonus = follow_sampled_tree(tree, p_at, distributions.get("q"), generator)
         acceptance.update(tree, path)
         return path, bonus
     return decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, warp_args, grow, judge,
