@@ -38,6 +38,8 @@ class TableModel(torch.nn.Module):
     def __init__(self, model, v=V, new=NEW, prompt=PROMPT):
         super().__init__()
         self.config, self.embed = model.config, model.embed
+        if hasattr(model, "ids"):  # FR-Spec's draft: logits over its subset, which subset_draft_round reads
+            self.ids = model.ids
         _, seqs = prefix_seqs(v, new, prompt)
         with torch.no_grad():
             logits = model(seqs, causal=True)  # (M, T, V)

@@ -1,6 +1,6 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
-Every method of the library run on StaticModel / StaticDrafter wrappers, with each hot step compiled
+Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers, with each hot step compiled
 by inductor with fullgraph=True (a graph break is an error), gives the eager loop's tokens at
 temperature 0 and its samples with the same seed at temperature 1; after every round the static
 caches hold the eager caches' rows; the hot steps really ran compiled; misuse is a one-line error.
@@ -11,14 +11,16 @@ only by float64 rounding, far below any argmax or sampling boundary. Compiling i
 import pytest
 import torch
 from eagle_models import random_head
-from stats_helpers import EXACT, assert_same, float64, random_drafter, random_model
+from stats_helpers import EXACT, assert_same, float64, perturbed, random_drafter, random_model
 
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel
+from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
 from tinydiff.speculative import speculative_generate
@@ -39,13 +41,18 @@ def eager():
     mdlm = random_model(ModelConfig(context=40, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), seed=4)
     target, drafter, head = float64(target, drafter, head)
     (draft,), (mdlm,) = float64(draft), float64(mdlm)
-    return {"target": target, "draft": draft, "drafter": drafter, "head": head, "mdlm": mdlm}
+    # FR-Spec: the target's ids outside the subset come by the residual. A draft close to the target, so
+    # that some rounds accept every draft and the next reads two tokens.
+    draft_fr = FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])
+    return {"target": target, "draft": draft, "draft_fr": draft_fr, "drafter": drafter, "head": head, "mdlm": mdlm}
 
 
 @pytest.fixture(scope="module")
 def static(eager):
     return {"target": StaticModel(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1)),
             "draft": StaticModel(eager["draft"], hot=(1,)),
+            "draft_fr": StaticModel(eager["draft_fr"], hot=(1,)),
+            "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K),
             "drafter": StaticDrafter(eager["drafter"]),
             "head": eager["head"],  # the head's few tiny forwards stay eager
             "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
@@ -59,6 +66,13 @@ def decode(method, models, temperature, on_round=None):
         return ar_generate(t, PROMPT, NEW, **common)[0]
     if method == "spec":
         return speculative_generate(t, models["draft"], PROMPT, NEW, K, on_round=on_round, **common)[0]
+    if method == "spec-fr":
+        return speculative_generate(t, models["draft_fr"], PROMPT, NEW, K, on_round=on_round,
+                                    propose=subset_draft_round, **common)[0]
+    if method == "spec-fr-round":  # eagerly: the plain pruned draft and its eager round
+        draft = models.get("draft_fr_round", models["draft_fr"])
+        propose = getattr(draft, "propose", subset_draft_round)
+        return speculative_generate(t, draft, PROMPT, NEW, K, on_round=on_round, propose=propose, **common)[0]
     if method == "dflash":
         return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, **common)[0]
     if method == "ddtree":
@@ -69,7 +83,7 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "spec", "dflash", "ddtree", "eagle3", "diffusion-cached"]
+METHODS = ["ar", "spec", "spec-fr", "spec-fr-round", "dflash", "ddtree", "eagle3", "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -78,7 +92,7 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
     assert decode(method, static, temperature) == decode(method, eager, temperature)
 
 
-@pytest.mark.parametrize("method", ["spec", "dflash", "ddtree", "eagle3"])
+@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "dflash", "ddtree", "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -103,8 +117,11 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
         decode(method, static, 0.0)
     compiled_counts = {key[0] for key in static["target"].step.seen}
     assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1} <= compiled_counts
-    assert static["drafter"].step.seen == {BLOCK} and {key[0] for key in static["draft"].step.seen} == {1}
+    assert static["drafter"].step.seen == {BLOCK}
+    assert {key[0] for key in static["draft"].step.seen} == {key[0] for key in static["draft_fr"].step.seen} == {1}
+    assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
+    assert static["draft_fr_round"].compile_seconds > static["draft_fr_round"].step.compile_seconds  # the chain's counted
     assert isinstance(static["target"].new_cache(1), StaticCache)
 
 

@@ -1,17 +1,19 @@
 """Spec: FR-Spec's frequency-ranked draft vocabulary (tinydiff/frequent_vocab.py). The subset is the n
 most frequent ids (ties to the lower id, EOT always in); the pruned draft's logits are the draft's own
-at the subset and -inf elsewhere, through its KV cache too (float64, both paths); speculative decoding
-with it is still the target's greedy decoding token for token, including tokens the draft can never
-propose (its chi-square case is in test_speculative.py); bad input is a one-line error."""
+at the subset, through its KV cache too (float64, both paths); drafting in the subset gives the tokens
+and the q of drafting from the V-wide distribution that is zero outside it, from the same random
+numbers; speculative decoding with it is still the target's greedy decoding token for token,
+including tokens the draft can never propose (its chi-square case is in test_speculative.py); bad
+input is a one-line error."""
 import pytest
 import torch
 from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids
-from tinydiff.speculative import speculative_generate
-from tinydiff.tokenizer import EOT
+from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids, subset_draft_round
+from tinydiff.speculative import draft_round, speculative_generate
+from tinydiff.tokenizer import EOT, MASK
 
 
 def test_frequent_ids_are_the_most_frequent_with_ties_to_the_lower_id_and_eot_always_in():
@@ -28,23 +30,53 @@ def test_frequent_ids_are_the_most_frequent_with_ties_to_the_lower_id_and_eot_al
 
 
 @torch.no_grad()
-def test_pruned_logits_are_the_drafts_own_at_the_subset_and_minus_inf_elsewhere(greedy_models):
+def test_pruned_logits_are_the_drafts_own_at_the_subset(greedy_models):
     _, drafts = greedy_models
     draft = drafts["small"]  # float64: two products of different widths, equal to float64 rounding
     g = torch.Generator().manual_seed(0)
-    ids = torch.randperm(draft.config.vocab_size, generator=g)[:300]
+    ids = torch.randperm(draft.config.vocab_size - 1, generator=g)[:300]  # MASK (the last id) is never one
     pruned = FrequentVocabDraft(draft, ids)
-    outside = torch.ones(draft.config.vocab_size, dtype=torch.bool)
-    outside[ids] = False
     x = torch.randint(0, 50257, (2, 9), generator=g)
     full, small = draft(x, causal=True), pruned(x, causal=True)
-    assert small.shape == full.shape and torch.isneginf(small[..., outside]).all()
-    torch.testing.assert_close(small[..., ids], full[..., ids], rtol=1e-12, atol=1e-12)
+    assert small.shape == (2, 9, 300)
+    torch.testing.assert_close(small, full[..., ids], rtol=1e-12, atol=1e-12)
     cache, pruned_cache = draft.new_cache(1), pruned.new_cache(1)  # through the KV cache, step by step
     for t in range(x.shape[1]):
         step, pruned_step = draft(x[:1, t:t + 1], cache=cache, causal=True), pruned(x[:1, t:t + 1], cache=pruned_cache)
-        torch.testing.assert_close(pruned_step[..., ids], step[..., ids], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(pruned_step, step[..., ids], rtol=1e-12, atol=1e-12)
     assert pruned_cache.length == cache.length == x.shape[1]
+
+
+class MaskedOutside(torch.nn.Module):
+    """The reference for drafting in the subset: the draft's full V-wide logits, -inf outside `ids`."""
+
+    def __init__(self, draft, ids):
+        super().__init__()
+        self.draft, self.config, self.embed = draft, draft.config, draft.embed
+        self.outside = torch.ones(draft.config.vocab_size, dtype=torch.bool)
+        self.outside[ids] = False
+
+    def new_cache(self, batch_size=1):
+        return self.draft.new_cache(batch_size)
+
+    def forward(self, idx, **kwargs):
+        return self.draft(idx, **kwargs).masked_fill(self.outside, float("-inf"))
+
+
+@pytest.mark.parametrize("warp_args", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.0, None, None)])
+@torch.no_grad()
+def test_drafting_in_the_subset_draws_what_the_v_wide_distribution_draws(greedy_models, warp_args):
+    _, drafts = greedy_models
+    draft = drafts["close"]
+    ids = torch.arange(0, 50257, 61)  # 824 ids; the draft prefers few of them, so top-k and top-p cut
+    seq = [EOT, 464, 3290]
+    for seed in range(20):
+        (ours, q), (theirs, reference) = [
+            propose(model, model.new_cache(1), seq, 4, warp_args, torch.Generator().manual_seed(seed))
+            for propose, model in ((subset_draft_round, FrequentVocabDraft(draft, ids)),
+                                   (draft_round, MaskedOutside(draft, ids)))]
+        assert ours.tolist() == theirs.tolist() and set(ours.tolist()) <= set(ids.tolist())
+        torch.testing.assert_close(q, reference, rtol=1e-12, atol=1e-15)  # zero outside the subset, both
 
 
 @torch.no_grad()
@@ -60,7 +92,7 @@ def test_speculative_decoding_with_a_pruned_draft_is_the_targets_greedy_decoding
     for k in (1, 4):
         rounds = []
         out, _ = speculative_generate(target, pruned, prompt, 24, k, temperature=0, stop_token=None,
-                                      on_round=rounds.append)
+                                      on_round=rounds.append, propose=subset_draft_round)
         assert out == greedy, k
         drafted = {t for r in rounds for t in r["drafts"]}
         assert drafted <= set(ids.tolist()) and not drafted & set(unseen)  # the subset alone is ever drafted
@@ -73,3 +105,5 @@ def test_a_bad_subset_is_a_clear_error(greedy_models):
     for ids in ([], [0, 0, 1], [-1, 2], [V], [[1, 2]]):
         with pytest.raises(UserError, match="distinct ids"):
             FrequentVocabDraft(drafts["small"], ids)
+    with pytest.raises(UserError, match="must not hold MASK"):
+        FrequentVocabDraft(drafts["small"], [0, MASK])

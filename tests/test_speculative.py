@@ -19,10 +19,10 @@ from table_models import TableModel, TokenCache
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft
+from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampling import residual, warp
-from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate
+from tinydiff.speculative import draft_round, expected_tokens_per_round, leviathan_speedup, speculative_generate
 from tinydiff.tokenizer import MASK
 
 
@@ -267,6 +267,7 @@ class Case(NamedTuple):
     top_p: float | None = None
     samples: int = 8_000         # seeded generations: enough for POWER on this case's target
     table: bool = True           # TableModel lookups (fast) or the Transformers' real KV caches
+    propose: Callable = draft_round  # the draft step
 
 
 def random_draft(target):
@@ -284,7 +285,8 @@ CASES = {
     "temperature 0.7": Case(random_draft, k=3, temperature=0.7, samples=10_000),
     "top-k 3, top-p 0.9": Case(random_draft, k=2, top_k=3, top_p=0.9, samples=12_000),
     # FR-Spec's draft: ids 3 and 5 are never drafted, so they reach the output only through the residual.
-    "frequent-vocab draft": Case(lambda target: FrequentVocabDraft(good_draft(target), [0, 1, 2, 4]), k=2),
+    "frequent-vocab draft": Case(lambda target: FrequentVocabDraft(good_draft(target), [0, 1, 2, 4]), k=2,
+                                 propose=subset_draft_round),
     # End to end through the real KV caches: a flatter target (T 1.5) needs fewer samples.
     "real caches": Case(random_draft, k=2, temperature=1.5, samples=6_000, table=False),
 }
@@ -307,7 +309,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     so a change that weakens the test fails loudly instead of passing silently. (Rare
     continuations share bins, so mass moved only among the members of one bin goes unseen.)
     """
-    make_draft, k, temperature, top_k, top_p, n, table = CASES[case]
+    make_draft, k, temperature, top_k, top_p, n, table, propose = CASES[case]
     target = random_model(DIST_CONFIG, seed=0)
     draft = make_draft(target)
     probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
@@ -317,6 +319,6 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     generator = torch.Generator().manual_seed(1234)
     for _ in range(n):
         out, _ = speculative_generate(target, draft, PROMPT, NEW, k, temperature, top_k, top_p,
-                                      generator=generator, stop_token=None)
+                                      generator=generator, stop_token=None, propose=propose)
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
     assert_follows_the_joint(probs, counts, n)

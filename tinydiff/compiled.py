@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
+from tinydiff.frequent_vocab import FrequentVocabDraft
 from tinydiff.kernels import kernels_enabled
 from tinydiff.model import KVCache
 
@@ -71,13 +72,15 @@ class RowWriter:
         return self.cache.write(layer, self.rows, k, v)
 
 
-def static_forward(model, cache: StaticCache, idx, pos, rows, mask):
+def static_forward(model, cache: StaticCache, idx, pos, rows, mask, head=None):
     """model's forward for idx (1, T) at position ids pos (T,), its keys/values written into rows (T,).
 
     mask: bool (T, C) over the cache's rows, or None for causal reading (row j visible to the token
     at position p when j <= p: the rows of a chain are its positions). Returns logits (1, T, V) and
     the residual stream before the first block and after each (L + 1 x (1, T, D)): one graph serves
     every reader of hidden states (DFlash, EAGLE-3 and plain decoding). No host synchronisation.
+    head: the rows (N, D) the head scores instead of the tied embedding (FR-Spec's pruned draft):
+    logits (1, T, N).
     """
     T = idx.shape[1]
     if mask is None:
@@ -89,7 +92,7 @@ def static_forward(model, cache: StaticCache, idx, pos, rows, mask):
     for i, block in enumerate(model.blocks):
         x = block(x, cos, sin, mask, False, writer, i)
         hidden.append(x)
-    logits = F.linear(model.norm(x), model.embed.weight)  # (1, T, V), tied head
+    logits = F.linear(model.norm(x), model.embed.weight if head is None else head)  # (1, T, V or N)
     return logits, hidden
 
 
@@ -163,10 +166,11 @@ class Wrapped:
 
 class StaticModel(Wrapped):
     """A Transformer whose caches are StaticCaches and whose forward is static_forward, compiled
-    for the token counts in `hot`."""
+    for the token counts in `hot`. A FrequentVocabDraft keeps its subset head: logits (1, T, N)."""
 
     def __init__(self, model, hot=(1,), compile=True):
-        super().__init__(model, lambda *a: static_forward(model, *a), model.embed.weight.device, hot, compile)
+        inner, head = (model.draft, model.rows) if isinstance(model, FrequentVocabDraft) else (model, None)
+        super().__init__(model, lambda *a: static_forward(inner, *a, head=head), model.embed.weight.device, hot, compile)
 
     def new_cache(self, batch_size: int = 1) -> StaticCache:
         if batch_size != 1:

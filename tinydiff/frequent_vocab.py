@@ -10,7 +10,9 @@ elsewhere), the target still scores the whole vocabulary, and the acceptance rul
 outside the subset is never drafted but comes back through the residual max(0, p - q), which holds
 its full target probability, so the output is still the target's distribution (greedy decoding at
 T = 0). What the subset costs is acceptance: the target's mass outside it is never accepted.
-The draft's logits come back V wide, -inf outside the subset, so speculative.py runs unchanged.
+The pruned draft's logits are N wide, and `subset_draft_round` warps and samples them there: a draft
+step never touches a V-wide row. Its q comes back V wide (zero outside the subset), written once a
+round, so the verify of speculative.py runs unchanged.
 
 Leaves out: the paper's fused top-k kernel, and the target's head (pruning it would change the output).
 """
@@ -20,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff.errors import UserError
-from tinydiff.tokenizer import EOT
+from tinydiff.sampling import sample, warp
+from tinydiff.tokenizer import EOT, MASK
 
 
 def frequent_ids(tokens, n: int, always=(EOT,)) -> torch.Tensor:
@@ -39,8 +42,9 @@ def frequent_ids(tokens, n: int, always=(EOT,)) -> torch.Tensor:
 
 
 class FrequentVocabDraft(nn.Module):
-    """An AR draft (tinydiff.model.Transformer) whose head scores only `ids`: a drop-in draft for
-    speculative.py. Its logits (B, T, V) equal the draft's own at `ids` and are -inf elsewhere."""
+    """An AR draft (tinydiff.model.Transformer) whose head scores only `ids`: logits (B, T, N), column j
+    the draft's own logit for ids[j]. Drafts with `subset_draft_round`. MASK is never an id: a language
+    model never generates it (sampling.next_token_probs)."""
 
     def __init__(self, draft, ids):
         super().__init__()
@@ -48,6 +52,8 @@ class FrequentVocabDraft(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long, device=draft.embed.weight.device)
         if ids.dim() != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= V or len(ids.unique()) != len(ids):
             raise UserError(f"the draft vocabulary must be distinct ids in [0, {V}), got {len(ids)} ids")
+        if V > MASK and bool((ids == MASK).any()):
+            raise UserError(f"the draft vocabulary must not hold MASK ({MASK}): a language model never generates it")
         self.draft = draft
         self.config, self.embed = draft.config, draft.embed  # what speculative.py reads of a draft
         self.register_buffer("ids", ids)
@@ -57,9 +63,30 @@ class FrequentVocabDraft(nn.Module):
         return self.draft.new_cache(*args, **kwargs)
 
     def forward(self, idx, **kwargs):
-        """The draft's forward with its head on the subset; the same keyword arguments."""
+        """The draft's forward with its head on the subset: logits (B, T, N); the same keyword arguments."""
         T, n = idx.shape[1], self.draft.config.n_layer
         _, (x,) = self.draft(idx, head_from=T, hidden_layers=[n], **kwargs)  # no full head: (B, 0, V) logits
-        small = F.linear(self.draft.norm(x), self.rows)  # (B, T, N)
-        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # (B, T, V)
-        return full.index_copy_(-1, self.ids, small)
+        return F.linear(self.draft.norm(x), self.rows)  # (B, T, N)
+
+
+def subset_draft_round(draft, cache, seq, n_drafts, warp_args, generator=None):
+    """speculative.draft_round for a FrequentVocabDraft: each q is warped and sampled over the N ids.
+
+    The same tokens, from the same random numbers, as sampling the V-wide distribution that is zero
+    outside the subset (its cumulative sum only steps at subset ids). Returns drafts (K,) as
+    vocabulary ids and q (K, V), zero outside the subset.
+    """
+    device = draft.embed.weight.device
+    x = torch.tensor([seq[cache.length:]], device=device)  # (1, 1 or 2), then (1, 1)
+    drafts, qs = [], []
+    for _ in range(n_drafts):
+        q = warp(draft(x, cache=cache, causal=True)[0, -1], *warp_args)  # (N,)
+        token = draft.ids[sample(q, generator)]  # ()
+        drafts.append(token)
+        qs.append(q)
+        x = token.view(1, 1)
+    V = draft.config.vocab_size
+    if not drafts:  # the last round may have no room for drafts
+        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device)
+    small = torch.stack(qs)  # (K, N)
+    return torch.stack(drafts), small.new_zeros(len(qs), V).index_copy_(1, draft.ids, small)  # (K,), (K, V)

@@ -91,7 +91,7 @@ def check_models(target, draft, need: int):
 
 @torch.no_grad()
 def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1.0, top_k=None,
-                         top_p=None, generator=None, stop_token=EOT, on_round=None):
+                         top_p=None, generator=None, stop_token=EOT, on_round=None, propose=draft_round):
     """Decode after `prompt` (list of ids) with `draft` proposing up to k tokens per target forward.
 
     Stops after max_new_tokens (None: until the target's context is full) or after emitting
@@ -100,6 +100,8 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     on_round(info), if given, is called after every round with a dict: drafts (list of ids),
     accepted (n), tokens (what the round committed), seq (prompt + everything committed),
     target_cache, draft_cache (the caches, already rolled back; see the module docstring).
+    propose: the draft step, draft_round's arguments and returns (frequent_vocab.subset_draft_round
+    for a draft that scores a subset of the vocabulary).
 
     Returns (new ids, tally.Speculated): one target forward per round (the prompt's prefill rides
     along with the first), one draft forward per draft, and the time spent drafting and verifying.
@@ -118,7 +120,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
         t0 = time.perf_counter()
-        drafts, q = draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
+        drafts, q = propose(draft, draft_cache, seq, n_drafts, warp_args, generator)
         if device.type == "cuda":
             torch.cuda.synchronize()  # so the draft's queued work is not billed to the verify
         t1 = time.perf_counter()

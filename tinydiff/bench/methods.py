@@ -16,13 +16,15 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import hot_steps, wrap
+from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.eagle_decode import eagle_generate
+from tinydiff.frequent_vocab import subset_draft_round
 from tinydiff.sampler import generate, generate_cached
-from tinydiff.speculative import speculative_generate
+from tinydiff.speculative import draft_round, speculative_generate
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
@@ -46,16 +48,18 @@ def run_distilled(models, prompt, args, generator, **rule):
     return run_diffusion({"mdlm": models["distilled"]}, prompt, args, generator, sampler=generate_cached, **rule)
 
 
-def run_spec(models, prompt, args, generator, k):
+def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_round):
     """The draft proposes k tokens, the target verifies them in one forward."""
-    ids, result = speculative_generate(models["target"], models["draft"], prompt, args.new_tokens, k,
-                                       args.temperature, generator=generator, stop_token=None)
+    ids, result = speculative_generate(models["target"], models[draft], prompt, args.new_tokens, k,
+                                       args.temperature, generator=generator, stop_token=None, propose=propose)
     return {**chain_counts(ids, result), "draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
 
 
 def run_spec_fr(models, prompt, args, generator, k):
-    """spec with FR-Spec's draft: its head scores only the --draft-vocab ids most frequent in --data."""
-    return run_spec({**models, "draft": models["draft_fr"]}, prompt, args, generator, k)
+    """spec with FR-Spec's draft: its head scores only the --draft-vocab ids most frequent in --data,
+    and it samples among them (with --compile, each round is one compiled graph: compiled_round.py)."""
+    propose = getattr(models["draft_fr"], "propose", subset_draft_round)
+    return run_spec(models, prompt, args, generator, k, draft="draft_fr", propose=propose)
 
 
 def chain_counts(ids, result):
@@ -194,8 +198,10 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return None
     if method == "ar":
         return wrap(models, hot_steps("ar"))
-    if method in FR_ROWS:  # FR-Spec's pruned draft is not one of the compiled steps
-        return None
+    if method in FR_ROWS:  # the pruned draft's whole round is one graph
+        k = draft_count(method)
+        return {**wrap(models, {"target": hot_steps("spec", k=k)["target"]}),
+                "draft_fr": StaticSubsetDraft(models["draft_fr"], k)}
     if method.startswith("spec-k"):
         return wrap(models, hot_steps("spec", k=draft_count(method)))
     if block_of(method):
