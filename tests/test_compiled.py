@@ -125,6 +125,18 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert isinstance(static["target"].new_cache(1), StaticCache)
 
 
+def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    # Dynamo keeps graphs per code object. Shared by every wrapper, a model's first step would be a
+    # recompile judged by the other models' guards (torch 2.13 raised IndexError on a model with
+    # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
+    for method in METHODS:
+        decode(method, static, 0.0)
+    steps = [m.step for name, m in static.items() if name != "head"] + [static["draft_fr_round"].chain]
+    for step in steps:
+        assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)
+
+
 def test_a_hot_step_compiles_once_whatever_the_prompt(eager, static):
     from torch._dynamo.utils import counters  # here, not at import: see conftest.pytest_collection_modifyitems
     # Each prompt length gives the canvas other strides and the cache other lengths: none may be a

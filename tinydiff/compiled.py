@@ -22,6 +22,7 @@ Leaves out: batches, the Triton kernels inside compiled steps (inductor fuses th
 attention itself; `kernels_enabled(False)` while a step runs), and SSD's threaded run-ahead.
 """
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -96,13 +97,26 @@ def static_forward(model, cache: StaticCache, idx, pos, rows, mask, head=None):
     return logits, hidden
 
 
+def own_frame(fn):
+    """fn behind a function whose code object is this call's alone.
+
+    Dynamo keeps its compiled graphs (and their guards) per code object. Every StaticModel's step
+    is the same lambda, so without this all wrapped models would share one cache: each call would
+    test the guards of every other model's graphs, and a recompile would evaluate them against a
+    model with another layer count (torch 2.13 then fails with an IndexError in its
+    recompile-reason report)."""
+    def step(*args):
+        return fn(*args)
+    return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
+
+
 def compile_step(fn, device):
     """torch.compile for a decode step: whole graph or an error; CUDA graphs on CUDA."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    # Dynamo keeps one cache per code object: every wrapped model and every shape is an entry of
-    # static_forward's. Past the limit (8) it would run the rest eagerly, without a word.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    # Past the recompile limit (8 graphs per code object) dynamo would run the rest eagerly, without
+    # a word; a step compiles one graph per hot shape, so this only guards a longer `hot`.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(own_frame(fn), fullgraph=True, dynamic=False, mode=mode)
 
 
 class Compiled:
