@@ -300,3 +300,28 @@ def test_canvas_view_redraws_in_place(capsys):
     frames = out.split("\x1b[1F\x1b[J")  # each later frame first moves up over the one-line frame before it
     assert len(frames) == 3 and frames[-1] == ""
     assert frames[0] == "Once" + tok.decode([MASK, MASK]) + "\n" and frames[1] == "Once" + tok.decode([2402, MASK]) + "\n"
+
+
+def test_bench_takes_a_late_compile_out_of_the_phase_it_fell_in(tiny_model):
+    """A shape the warm-up never met compiles inside a timed prompt: its seconds leave the decoding
+    time and the phase that paid them (the target's the verify, a draft's the drafting)."""
+    from types import SimpleNamespace
+
+    from tinydiff.bench.measure import measure
+    from tinydiff.compiled import StaticModel
+    models = {"target": StaticModel(tiny_model, compile=False), "draft": StaticModel(tiny_model, compile=False)}
+    calls = []
+
+    def method(models, prompt, args, generator):  # one round of 2 drafts per prompt; the 3rd call compiles
+        calls.append(prompt)
+        late = len(calls) == 3
+        if late:
+            models["target"].step.compile_seconds += 0.5
+            models["draft"].step.compile_seconds += 0.25
+        return {"new_tokens": 3, "target_forwards": 1, "proposed": 2, "accepted": [0, 0, 1],
+                "slot_judged": [1, 1], "slot_kept": [1, 1], "seconds": 1.0 + 0.75 * late, "draft_seconds": 0.25 + 0.25 * late, "verify_seconds": 0.5 + 0.5 * late}
+
+    row = measure(method, models, [[1], [2], [3], [4]], SimpleNamespace(device="cpu", seed=0))
+    assert len(calls) == 5  # one warm-up prompt (it compiled nothing), then the four timed
+    assert row["tokens_per_s"] == 12 / 4.0
+    assert row["us_per_round"] == {"draft": 0.25e6, "verify": 0.5e6, "host": 0.25e6}
