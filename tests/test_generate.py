@@ -319,7 +319,8 @@ def test_bench_takes_a_late_compile_out_of_the_phase_it_fell_in(tiny_model):
             models["target"].step.compile_seconds += 0.5
             models["draft"].step.compile_seconds += 0.25
         return {"new_tokens": 3, "target_forwards": 1, "proposed": 2, "accepted": [0, 0, 1],
-                "slot_judged": [1, 1], "slot_kept": [1, 1], "seconds": 1.0 + 0.75 * late, "draft_seconds": 0.25 + 0.25 * late, "verify_seconds": 0.5 + 0.5 * late}
+                "slot_judged": [1, 1], "slot_kept": [1, 1], "seconds": 1.0 + 0.75 * late,
+                "draft_seconds": 0.25 + 0.25 * late, "verify_seconds": 0.5 + 0.5 * late}
 
     row = measure(method, models, [[1], [2], [3], [4]], SimpleNamespace(device="cpu", seed=0))
     assert len(calls) == 5  # one warm-up prompt (it compiled nothing), then the four timed
