@@ -34,7 +34,7 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
-from tinydiff.cli import add_device, check_device, given_flags, make_parser, run_main
+from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.compiled import compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
@@ -79,8 +79,7 @@ def parse_args(argv=None):
     add_device(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--temperature", type=TEMPERATURE, help="0 = greedy (default: 0.8 for ar, 0 for diffusion)")
-    p.add_argument("--compile", action="store_true", help="static-shape decode steps compiled with torch.compile "
-                   "(CUDA graphs on a GPU); the same tokens, compile time apart in the stats (diffusion: with --cached)")
+    add_compile(p, "; the same tokens, compile time apart in the stats (diffusion: with --cached)")
     ar = p.add_argument_group("ar")
     ar.add_argument("--max-new-tokens", type=COUNT, help="default: until the story ends or the context is full")
     ar.add_argument("--top-k", type=COUNT_OR_NONE, default=50, help="sample among the k likeliest tokens (0 = all)")
@@ -218,7 +217,7 @@ def compiled(args, method, k=4, block_size=16, budget=None, block_length=32, shi
     if not args.compile:
         return tuple(models.values())
     hot = hot_steps(method, k=k, block_size=block_size, budget=budget, block_length=block_length, shift=shift)
-    args.compiled_models = list(wrap(models, hot).values())
+    args.compiled_models = list(wrap(models, hot, args.compile).values())
     return tuple(args.compiled_models)
 
 

@@ -14,7 +14,7 @@ from eagle_models import random_head
 from stats_helpers import EXACT, assert_same, float64, perturbed, random_drafter, random_model
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel
+from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel, compile_step, inductor_settings, wrap
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
@@ -159,3 +159,45 @@ def test_misuse_is_a_one_line_error(eager, static):
     cache.advance(cache.capacity)
     with pytest.raises(UserError, match="exceeds the model's context"):
         target(torch.tensor([[1]]), cache=cache)
+
+
+@pytest.mark.parametrize("method", ["ar", "spec"])
+def test_max_autotune_decodes_the_eager_tokens(eager, method):
+    # The weights are frozen into the graph and every product autotuned; float64 keeps the BLAS's
+    # products (inductor's template is float32), so the tokens must be the eager ones exactly.
+    models = wrap({"target": eager["target"], "draft": eager["draft"]}, {"target": (1, K + 1), "draft": (1,)},
+                  "max-autotune")
+    for temperature in (0.0, 1.0):
+        assert decode(method, models, temperature) == decode(method, eager, temperature)
+    assert (1 if method == "ar" else K + 1) in {key[0] for key in models["target"].step.seen}  # it ran compiled
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_inductors_own_matmul_stays_within_float32_rounding(rows):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    # max-autotune may pick inductor's C++ GEMM template for the head; force it here and hold it to
+    # the bound every float32 dot product of length D meets in any summation order: the float64
+    # product within gamma_D * (|x| @ |W|^T), gamma_D = D u / (1 - D u), u = 2^-24.
+    g = torch.Generator().manual_seed(0)
+    V, D = 1024, 128
+    W = torch.randn(V, D, generator=g)
+    x = torch.randn(rows, D, generator=g)
+    head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
+    head.weight.copy_(W)
+    step = compile_step(lambda x: head(x), "cpu", "max-autotune")
+    settings = {**inductor_settings("max-autotune", "cpu")[1], "max_autotune_gemm_backends": "CPP"}
+    with torch.no_grad(), inductor_config.patch(settings):
+        out, code = run_and_get_code(step, x)
+    assert "micro_gemm" in "".join(code)  # the template ran, not the BLAS
+    u = 2.0 ** -24
+    gamma = D * u / (1 - D * u)
+    exact = x.double() @ W.double().T
+    assert ((out.double() - exact).abs() <= gamma * (x.double().abs() @ W.double().abs().T)).all()
+
+
+def test_an_unknown_compile_mode_is_a_one_line_error():
+    with pytest.raises(UserError, match="compile mode must be one of default, max-autotune"):
+        inductor_settings("fast", "cpu")
+    assert inductor_settings("default", "cpu") == ({}, {})
+    assert inductor_settings("max-autotune", "cpu")[1]["freezing"]  # the CPU's template needs constant weights

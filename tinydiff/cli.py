@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from tinydiff.compiled import COMPILE_MODES
 from tinydiff.errors import UserError
 
 
@@ -51,6 +52,14 @@ def add_device(parser: argparse.ArgumentParser):
     """--device, the same on every entry point."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when a GPU is visible, else cpu)")
+
+
+def add_compile(parser: argparse.ArgumentParser, what: str):
+    """--compile [MODE], the same on every entry point that decodes; `what`: the help's second half."""
+    parser.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                        help="static-shape decode steps compiled with torch.compile (CUDA graphs on a GPU); MODE "
+                        "max-autotune also times inductor's own matrix products against the BLAS and keeps the "
+                        f"faster (minutes of compiling on a CPU){what}")
 
 
 def check_device(device: str):

@@ -10,6 +10,9 @@ Three things remove them:
   2. `torch.compile(fullgraph=True, dynamic=False)` of that step, once per shape: a graph break is
      an error, not a slow path;
   3. on CUDA, `mode="reduce-overhead"`: the compiled step is captured as a CUDA graph and replayed.
+`--compile max-autotune` also times each matrix product as the BLAS call and as inductor's own
+kernel and keeps the faster (`inductor_settings`): on a CPU whose BLAS is slow at a few rows by a wide
+head, it is the difference between the head costing most of a step and about half of one.
 `StaticModel` and `StaticDrafter` wrap a model so that every decoding loop of the library runs
 unchanged on top of them (the loop, its sampling and its random numbers stay the eager ones):
 `speculative_generate(StaticModel(target), StaticModel(draft), ...)`. A loop reads back only what
@@ -110,17 +113,41 @@ def own_frame(fn):
     return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
 
 
-def compile_step(fn, device):
+COMPILE_MODES = ("default", "max-autotune")  # what --compile takes; a bare --compile is "default"
+
+
+def inductor_settings(mode: str, device) -> tuple[dict, dict]:
+    """For a decode step compiled in `mode` on `device`: torch.compile's mode, and the inductor config
+    in force while a shape compiles (tinydiff.compiled.Compiled patches it around the first call).
+
+    default: inductor's code, matrix products by the BLAS; CUDA graphs on CUDA. max-autotune: each
+    matrix product timed once as the BLAS call and as inductor's own kernel, the faster kept. On a
+    CPU inductor writes its own (a C++ template) only for weights it may treat as constants, hence
+    `freezing` (read when the graph compiles, so a config patch, not torch.compile's options): the
+    compiled step keeps the weights it saw, so it serves decoding, never training.
+    """
+    if mode not in COMPILE_MODES:
+        raise UserError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    cuda = torch.device(device).type == "cuda"
+    if mode == "default":
+        return ({"mode": "reduce-overhead"} if cuda else {}), {}
+    if cuda:
+        return {"mode": "max-autotune"}, {}  # CUDA graphs included
+    return {}, {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def compile_step(fn, device, mode="default"):
     """torch.compile for a decode step: whole graph or an error; CUDA graphs on CUDA."""
-    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
     # Past the recompile limit (8 graphs per code object) dynamo would run the rest eagerly, without
     # a word; a step compiles one graph per hot shape, so this only guards a longer `hot`.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(own_frame(fn), fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(own_frame(fn), fullgraph=True, dynamic=False, **inductor_settings(mode, device)[0])
 
 
 class Compiled:
     """One step function, compiled per shape for the token counts in `hot`, eager for the rest.
+
+    compile: True (the default mode) or a COMPILE_MODES name; False or None runs every shape eagerly.
 
     `compile_seconds` sums the first call of each compiled shape (tracing, code generation and
     that call's run), which a benchmark reports apart from decoding.
@@ -128,7 +155,9 @@ class Compiled:
 
     def __init__(self, fn, device, hot, compile=True):
         self.fn, self.device, self.hot = fn, torch.device(device), set(hot)
-        self.compiled = compile_step(fn, device) if compile else None
+        mode = "default" if compile is True else compile  # True: the default mode; False or None: eager
+        self.compiled = compile_step(fn, device, mode) if mode else None
+        self.settings = inductor_settings(mode, device)[1] if mode else {}
         self.seen, self.compile_seconds = set(), 0.0
 
     def __call__(self, tokens: int, key, *args):
@@ -137,8 +166,10 @@ class Compiled:
         torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are consumed
         if key in self.seen:
             return self.compiled(*args)
+        from torch._inductor import config as inductor_config  # imported when a step first compiles
         start = time.perf_counter()
-        out = self.compiled(*args)
+        with inductor_config.patch(self.settings):
+            out = self.compiled(*args)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.seen.add(key)
@@ -257,7 +288,7 @@ def hot_steps(method: str, *, k: int = 4, block_size: int = 16, budget: int | No
     return hot[method]()
 
 
-def wrap(models: dict, hot: dict, compile: bool = True) -> dict:
+def wrap(models: dict, hot: dict, compile: bool | str = True) -> dict:
     """models (role -> model) with each role in hot wrapped for static decoding (a DFlash drafter
     as StaticDrafter, any Transformer as StaticModel); the other roles as they are."""
     def static(role, model):

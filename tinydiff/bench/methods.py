@@ -196,24 +196,27 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     samplers (no cache to make static) and dMoE (routing has no fixed shapes), an ar-moe target included."""
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
+    mode = args.compile
     if method == "ar":
-        return wrap(models, hot_steps("ar"))
+        return wrap(models, hot_steps("ar"), mode)
     if method in FR_ROWS:  # the pruned draft's whole round is one graph
         k = draft_count(method)
-        return {**wrap(models, {"target": hot_steps("spec", k=k)["target"]}),
-                "draft_fr": StaticSubsetDraft(models["draft_fr"], k)}
+        return {**wrap(models, {"target": hot_steps("spec", k=k)["target"]}, mode),
+                "draft_fr": StaticSubsetDraft(models["draft_fr"], k, mode)}
     if method.startswith("spec-k"):
-        return wrap(models, hot_steps("spec", k=draft_count(method)))
+        return wrap(models, hot_steps("spec", k=draft_count(method)), mode)
     if block_of(method):
-        return wrap(models, hot_steps("dflash", block_size=block_of(method)))
+        return wrap(models, hot_steps("dflash", block_size=block_of(method)), mode)
     if method.startswith("ddtree-n"):
         block = models["drafter"].config.block_size
-        return wrap(models, hot_steps("ddtree", block_size=block, budget=int(re.match(r"ddtree-n(\d+)", method).group(1))))
+        budget = int(re.match(r"ddtree-n(\d+)", method).group(1))
+        return wrap(models, hot_steps("ddtree", block_size=block, budget=budget), mode)
     if method.startswith("eagle3-"):
-        return wrap(models, hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32))
+        hot = hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32)
+        return wrap(models, hot, mode)
     role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
     if method in ("diffusion-cached", "diffusion-entropy") or role == "distilled":
         block = min(32, args.new_tokens)  # run_diffusion's blocks
         hot = hot_steps("diffusion-cached", block_length=block, shift=int(models[role].config.shift))
-        return wrap(models, {role: hot["target"]})
+        return wrap(models, {role: hot["target"]}, mode)
     return None

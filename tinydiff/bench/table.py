@@ -39,7 +39,7 @@ from tinydiff.bench.methods import FR_ROWS, METHODS, USES, block_of, compiled_mo
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
-from tinydiff.cli import add_device, check_device, make_parser
+from tinydiff.cli import add_compile, add_device, check_device, make_parser
 from tinydiff.compiled import compile_seconds
 from tinydiff.errors import UserError
 from tinydiff.files import check_output
@@ -73,8 +73,7 @@ def parse_args(argv=None):
                    "(--data's validation split, 8 tokens each, as --report does) instead of the fixed prompts")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy, the same text for every method")
     p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
-    p.add_argument("--compile", action="store_true", help="decode with static-shape steps compiled by torch.compile "
-                   "(CUDA graphs on a GPU), compiled in the untimed warm-up; methods it does not cover run eagerly")
+    add_compile(p, ", compiled in the untimed warm-up; methods it does not cover run eagerly")
     add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
