@@ -57,9 +57,9 @@ def add_device(parser: argparse.ArgumentParser):
 def add_compile(parser: argparse.ArgumentParser, what: str):
     """--compile [MODE], the same on every entry point that decodes; `what`: the help's second half."""
     parser.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
-                        help="static-shape decode steps compiled with torch.compile (CUDA graphs on a GPU); MODE "
-                        "max-autotune also times inductor's own matrix products against the BLAS and keeps the "
-                        f"faster (minutes of compiling on a CPU){what}")
+                        help="static-shape decode steps compiled with torch.compile (CUDA graphs on a GPU); MODE is "
+                        "default, or max-autotune: also time inductor's own matrix products against the BLAS and "
+                        f"keep the faster (minutes of compiling on a CPU){what}")
 
 
 def check_device(device: str):
