@@ -326,3 +326,35 @@ def test_bench_takes_a_late_compile_out_of_the_phase_it_fell_in(tiny_model):
     assert len(calls) == 5  # one warm-up prompt (it compiled nothing), then the four timed
     assert row["tokens_per_s"] == 12 / 4.0
     assert row["us_per_round"] == {"draft": 0.25e6, "verify": 0.5e6, "host": 0.25e6}
+
+
+def test_bench_interleave_times_every_method_on_a_prompt_before_the_next():
+    """--interleave: each method warms up, then prompt by prompt every method decodes it; each row is
+    the one that method alone would give."""
+    from types import SimpleNamespace
+
+    from tinydiff.bench.measure import measure, measure_interleaved
+    calls = []
+
+    def method_of(name, tokens):
+        def method(models, prompt, args, generator):
+            calls.append((name, prompt[0]))
+            return {"new_tokens": tokens, "target_forwards": 1, "seconds": 0.5 * tokens}
+        return method
+
+    one, two = method_of("one", 2), method_of("two", 3)
+    args, prompts = SimpleNamespace(device="cpu", seed=0), [[1], [2], [3]]
+    rows = measure_interleaved([(one, {}), (two, {})], prompts, args)
+    assert calls == [("one", 1), ("two", 1)] + [(name, p) for p in (1, 2, 3) for name in ("one", "two")]
+    assert rows == [measure(one, {}, prompts, args), measure(two, {}, prompts, args)]
+    assert rows[1]["tau"] == 3 and rows[1]["tokens_per_s"] == 2
+
+
+def test_bench_interleave_writes_the_same_counts(ckpt, capsys):
+    args = ["--ckpt", str(ckpt), "--draft", str(ckpt), "--methods", "ar,spec-k2", "--new-tokens", "6",
+            "--prompts", "2", "--temperature", "1"]
+    apart, together = bench.main(args), bench.main(args + ["--interleave"])
+    for plain, mixed in zip(apart["rows"], together["rows"]):  # the same seeds: the same tokens and rounds
+        assert plain["method"] == mixed["method"]
+        for key in ("target_forwards_per_token", "accepted_hist", "alpha", "slot_kept"):
+            assert plain.get(key) == mixed.get(key)

@@ -64,40 +64,78 @@ def git_commit() -> str:
 
 
 def measure(method, models, prompts, args) -> dict:
-    """Sum a method's counts over all prompts (after one untimed warm-up run).
+    """Sum a method's counts over all prompts (after an untimed warm-up): its row of the table.
 
     Every method reports new_tokens, seconds and target_forwards; speculative ones also an
     accepted-count histogram, the drafts proposed and, for chains, the rounds that rejected one,
-    from which alpha (accepted / judged) follows. The warm-up runs prompts until one compiles nothing
-    new (at most 8): a compiled shape met only later (a round that accepts every draft, say) would
-    compile inside the timed prompts. Should that still happen, its compile time is taken out of the
-    decoding time (it is reported apart).
+    from which alpha (accepted / judged) follows.
     """
-    generator = torch.Generator(args.device).manual_seed(args.seed)
-    for prompt in prompts[:8]:
-        before = compile_seconds(models.values())
-        method(models, prompt, args, generator)
-        if compile_seconds(models.values()) == before:
-            break
-    warmed, warmed_target = compile_seconds(models.values()), compile_seconds([models.get("target")])
-    totals = {}
+    return measure_interleaved([(method, models)], prompts, args)[0]
+
+
+def measure_interleaved(runs, prompts, args) -> list[dict]:
+    """measure() for several (method, models) at once, prompt by prompt: each prompt is decoded by
+    every method before the next, so a slow phase of a shared machine falls on them all alike.
+
+    Each warm-up runs prompts until one compiles nothing new (at most 8): a compiled shape met only
+    later (a round that accepts every draft, say) would compile inside the timed prompts. Should that
+    still happen, its compile time is taken out of the decoding time (it is reported apart).
+    """
+    timed = [Timed(method, models, args) for method, models in runs]
+    for run in timed:
+        run.warm_up(prompts)
     for prompt in prompts:
-        generator.manual_seed(args.seed)
-        for key, value in method(models, prompt, args, generator).items():
+        for run in timed:
+            run.add(prompt)
+    return [summarise(run.totals_after_compiles(), len(prompts)) for run in timed]
+
+
+class Timed:
+    """One method's timed run: its generator (reseeded per prompt), its totals, the compile seconds
+    its models had spent when the warm-up ended."""
+
+    def __init__(self, method, models, args):
+        self.method, self.models, self.args = method, models, args
+        self.generator = torch.Generator(args.device).manual_seed(args.seed)
+        self.totals = {}
+
+    def compiled(self, roles=None) -> float:
+        return compile_seconds(self.models.values() if roles is None else [self.models.get(r) for r in roles])
+
+    def warm_up(self, prompts):
+        for prompt in prompts[:8]:
+            before = self.compiled()
+            self.method(self.models, prompt, self.args, self.generator)
+            if self.compiled() == before:
+                break
+        self.warmed, self.warmed_target = self.compiled(), self.compiled(["target"])
+
+    def add(self, prompt):
+        self.generator.manual_seed(self.args.seed)
+        for key, value in self.method(self.models, prompt, self.args, self.generator).items():
             if isinstance(value, list):
-                totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(value)), value)]
+                self.totals[key] = [a + b for a, b in zip(self.totals.get(key, [0] * len(value)), value)]
             else:
-                totals[key] = totals.get(key, 0) + value
-    late = compile_seconds(models.values()) - warmed  # what still compiled in the timed prompts
-    totals["seconds"] -= late
-    if "draft_seconds" in totals:  # the target compiles in the verify, the rest in the draft
-        late_target = compile_seconds([models.get("target")]) - warmed_target
-        totals["verify_seconds"] -= late_target
-        totals["draft_seconds"] -= late - late_target
+                self.totals[key] = self.totals.get(key, 0) + value
+
+    def totals_after_compiles(self) -> dict:
+        """The totals with what still compiled in the timed prompts taken out of the phase that paid it."""
+        totals = dict(self.totals)
+        late = self.compiled() - self.warmed
+        totals["seconds"] -= late
+        if "draft_seconds" in totals:  # the target compiles in the verify, the rest in the draft
+            late_target = self.compiled(["target"]) - self.warmed_target
+            totals["verify_seconds"] -= late_target
+            totals["draft_seconds"] -= late - late_target
+        return totals
+
+
+def summarise(totals: dict, n_prompts: int) -> dict:
+    """A method's row from its totals over n_prompts prompts."""
     row = {"tokens_per_s": totals["new_tokens"] / totals["seconds"],
            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
            "tau": totals["new_tokens"] / totals["target_forwards"]}
-    row.update({key: totals[key] / len(prompts) for key in MEANS if key in totals})
+    row.update({key: totals[key] / n_prompts for key in MEANS if key in totals})
     if "nodes" in totals:  # a tree's verify cost: nodes per round (alpha is not defined for trees)
         row["nodes_per_round"] = totals["nodes"] / totals["rounds"]
     if "hits" in totals:

@@ -34,7 +34,8 @@ import sys
 
 from tqdm import tqdm
 
-from tinydiff.bench.measure import PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure
+from tinydiff.bench.measure import (PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure,
+                                    measure_interleaved)
 from tinydiff.bench.methods import FR_ROWS, METHODS, USES, block_of, compiled_models, draft_count
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
@@ -74,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy, the same text for every method")
     p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
     add_compile(p, ", compiled in the untimed warm-up; methods it does not cover run eagerly")
+    p.add_argument("--interleave", action="store_true", help="time the methods prompt by prompt in turn (every "
+                   "method decodes a prompt before the next prompt), so that a slow phase of a shared machine falls "
+                   "on every method alike; the same tokens and counts")
     add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
@@ -116,12 +120,18 @@ def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict],
     args.forward_costs = (forward_seconds(models["draft"], prompts[0], reps=16),
                           forward_seconds(models["target"], prompts[0], reps=16))
     c = args.forward_costs[0] / args.forward_costs[1]
+    statics = {name: compiled_models(name, models, args) if args.compile else None for name in methods}
+    if args.interleave:  # every method decodes a prompt before the next prompt
+        measured = measure_interleaved([(METHODS[name], statics[name] or models) for name in methods], prompts, args)
+    else:
+        measured = [measure(METHODS[name], statics[name] or models, prompts, args)
+                    for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr)]
     rows = []
-    for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr):
+    for name, row in zip(methods, measured):
         nll_row, bpb_row = nll.get(USES.get(name, "mdlm"), (None, None))
-        static = compiled_models(name, models, args) if args.compile else None
-        rows.append({"method": name, **measure(METHODS[name], static or models, prompts, args),
-                     "heldout_nll": nll_row, "heldout_bpb": bpb_row, "compiled": static is not None,
+        static = statics[name]
+        rows.append({"method": name, **row, "heldout_nll": nll_row, "heldout_bpb": bpb_row,
+                     "compiled": static is not None,
                      "compile_seconds": compile_seconds(static.values()) if static else None})
     ar_speed = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     dflash = next((r["tokens_per_s"] for r in rows if r["method"] == "dflash-b16"), None)
