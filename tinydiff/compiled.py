@@ -11,8 +11,8 @@ Three things remove them:
      an error, not a slow path;
   3. on CUDA, `mode="reduce-overhead"`: the compiled step is captured as a CUDA graph and replayed.
 `--compile max-autotune` also times each matrix product as the BLAS call and as inductor's own
-kernel and keeps the faster (`inductor_settings`): on a CPU whose BLAS is slow at a few rows by a wide
-head, it is the difference between the head costing most of a step and about half of one.
+kernel and keeps the faster (`inductor_settings`): it matters on a CPU whose BLAS is slow at a few
+rows by a wide head (the project's AMD EPYC machines: docs/LOG.md).
 `StaticModel` and `StaticDrafter` wrap a model so that every decoding loop of the library runs
 unchanged on top of them (the loop, its sampling and its random numbers stay the eager ones):
 `speculative_generate(StaticModel(target), StaticModel(draft), ...)`. A loop reads back only what
