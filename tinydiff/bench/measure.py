@@ -1,6 +1,7 @@
 """What the benchmark tools share: the fixed prompts or held-out story openings, the models they time
 (trained checkpoints, or untrained stand-ins that time the same work), one method's totals over
-the prompts (`measure`), held-out NLL and bits per byte, and the device's name for the tables.
+the prompts (`measure`; several methods prompt by prompt in turn: `measure_interleaved`), held-out
+NLL and bits per byte, and the device's name for the tables.
 """
 import platform
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tinydiff.bench.methods import FR_ROWS, MEANS
 from tinydiff.checkpoint import load_checkpoint
@@ -84,7 +86,7 @@ def measure_interleaved(runs, prompts, args) -> list[dict]:
     timed = [Timed(method, models, args) for method, models in runs]
     for run in timed:
         run.warm_up(prompts)
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="bench, methods in turn", unit="prompt", file=sys.stderr, disable=len(timed) == 1):
         for run in timed:
             run.add(prompt)
     return [summarise(run.totals_after_compiles(), len(prompts)) for run in timed]
