@@ -272,15 +272,13 @@ def hot_steps(method: str, *, k: int = 4, block_size: int = 16, budget: int | No
               block_length: int = 32, shift: int = 0) -> dict:
     """What each model of a method's loop reads again and again, by role: the token counts to compile.
 
-    spec: the target verifies k + 1 tokens, and 1..k in a story's last round (an eager forward there
-    costs several compiled ones on a CPU whose BLAS is slow at a few rows); the draft reads 1 (2
-    after a full acceptance); dflash:
+    spec: the target verifies k + 1 tokens, the draft reads 1 (2 after a full acceptance); dflash:
     a block of block_size both ways; ddtree: the root and `budget` nodes; eagle3: the chain's k + 1
     or the tree's budget + 1 (its head stays eager); diffusion-cached: one block (with the finished
     token before it for a shifted model), and the first step of a block, which reads the one before.
     """
     hot = {"ar": lambda: {"target": (1,)},
-           "spec": lambda: {"target": tuple(range(1, k + 2)), "draft": (1, 2)},
+           "spec": lambda: {"target": (k + 1,), "draft": (1, 2)},
            "dflash": lambda: {"target": (block_size,), "drafter": (block_size,)},
            "ddtree": lambda: {"target": (budget + 1,), "drafter": (block_size,)},
            "eagle3": lambda: {"target": (k + 1 if budget is None else budget + 1,)},
