@@ -34,7 +34,7 @@ from tinydiff.bench.curve import agreement, greedy_texts  # noqa: E402
 from tinydiff.diffusion import mdlm_loss, subs_logits  # noqa: E402
 from tinydiff.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.sampler import block_causal_mask, generate_cached  # noqa: E402
+from tinydiff.sampler import block_causal_mask, commit, generate_cached  # noqa: E402
 from tinydiff.tokenizer import EOT, MASK, Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -137,13 +137,28 @@ print("   The teacher buys parallelism with guesses; the student commits a block
 print("   keeps writing the teacher's text. At temperature 1 the price moves to diversity: a student sure of")
 print("   several tokens at once has learned to pick one of the teacher's continuations (docs/RESULTS.md).")
 
+probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.25, 0.15], [0.4, 0.4, 0.2], [0.7, 0.2, 0.1]], dtype=torch.float64)
+print("\n4. Which position a step commits matters at temperature 1. Four masked positions, three tokens each,")
+print("   no position's likeliest token above 70%; 1,000 first steps of one token, the share that commit the")
+print("   committed position's likeliest token:")
+for rule in ("low_confidence", "low_entropy"):
+    gen, modes = torch.Generator().manual_seed(0), 0
+    for _ in range(1000):
+        canvas = torch.full((4,), MASK)
+        (where,) = commit(canvas, 0, probs.log(), 1, None, 1.0, rule, gen, torch.ones(4, dtype=torch.float64))
+        modes += int(canvas[where]) == int(probs[where].argmax())
+    print(f"   {rule:<16}{modes / 1000:.2f}")
+print("   Ranked by confidence, a step commits whichever position happened to draw a likely token: a mode.")
+print("   Ranked by entropy (or position), the position is chosen before the draw, so its token is a fair")
+print("   sample. A student sure of many positions gives the confidence order many modes to pick from.")
+
 found = [Path(p) for p in ("out/mdlm-teacher/ckpt.pt", "out/mdlm-distilled/ckpt.pt")]
 paths = [args.teacher or (found[0] if found[0].exists() else None), args.student or (found[1] if found[1].exists() else None)]
 if not args.quick and all(paths):
     real = [load_model(p, kinds=("mdlm", "mdlm-moe"))[0] for p in paths]
     prompt = [EOT] + tok.encode("Once upon a time, there was a little")
-    print(f"\n4. The real models ({paths[0]}, {paths[1]}) on 'Once upon a time, there was a little' + 16 MASKs:")
+    print(f"\n5. The real models ({paths[0]}, {paths[1]}) on 'Once upon a time, there was a little' + 16 MASKs:")
     for name, m in zip(("teacher", "student"), real):
         show(name, confidences(m, prompt, 16))
 else:
-    print("\n4. (Pass --teacher and --student, or train them as docs/USAGE.md says, to see real stories' confidences.)")
+    print("\n5. (Pass --teacher and --student, or train them as docs/USAGE.md says, to see real stories' confidences.)")

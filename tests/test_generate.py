@@ -248,7 +248,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for name in ("diffusion", "diffusion-cached"):  # one token per denoising step
         assert rows[name]["target_forwards_per_token"] == 1
     assert rows["diffusion-threshold"]["target_forwards_per_token"] <= 1
-    for name in ("diffusion-entropy", "diffusion-distilled-entropy"):  # a bound nothing reaches: one forward a block
+    for name in ("diffusion-entropy", "diffusion-distilled-entropy", "diffusion-distilled-low-entropy"):  # a bound
+        # nothing reaches: one forward a block
         assert rows[name]["target_forwards_per_token"] == 1 / 8
     for t in (0.9, 0.7, 0.5):
         assert rows[f"diffusion-distilled-t{t:g}"]["target_forwards_per_token"] <= 1

@@ -69,6 +69,8 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
         best = {name: max(float(fwd) for n, _, fwd, _ in rows if n == name) for name in ("teacher", "student")}
         assert len(rows) == 8 and best["teacher"] < 1.5 and best["student"] >= 4
         assert all(float(agree) >= 0.85 for n, _, fwd, agree in rows if n == "student" and float(fwd) >= 4)
+        modes = dict(re.findall(r"^   (low_confidence|low_entropy)\s+([\d.]+)$", res.stdout, re.M))
+        assert float(modes["low_confidence"]) > 0.9 and abs(float(modes["low_entropy"]) - 0.7) < 0.05  # fair: p 0.7
     if lesson.name == "14_fp4_experts.py":  # the claims: OCP's scale of the block, 4.25 bits, MXFP4 worse than bf16
         x, code = re.search(r"X = floor\(log2 amax\) - 2 = (-?\d+).*\n.*E8M0 byte (\d+)", res.stdout).groups()
         assert int(code) == int(x) + 127 and "MXFP4 reads 7.53x fewer expert bytes than fp32" in res.stdout

@@ -11,7 +11,10 @@ from tinydiff.bench import quality
 from tinydiff.bench.curve import aup, quality_y
 from tinydiff.checkpoint import save_checkpoint
 from tinydiff.errors import UserError
+from tinydiff.judge import story
+from tinydiff.kinds import load_model
 from tinydiff.model import Transformer
+from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT
 
 
@@ -64,7 +67,8 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     by_name = {r["sampler"]: r for r in rows}
     assert by_name["diffusion"]["forwards_per_token"] == 1.0 == by_name["distilled"]["forwards_per_token"]
     assert by_name["distilled"]["gen_ppl"] == by_name["diffusion-cached"]["gen_ppl"]  # the same model, sampler, seeds
-    assert by_name["diffusion-entropy"]["forwards_per_token"] == 1 / 4  # a bound nothing reaches: a block a forward
+    for name in ("diffusion-entropy", "distilled-entropy", "distilled-low-entropy"):  # a bound nothing reaches:
+        assert by_name[name]["forwards_per_token"] == 1 / 4  # a block a forward
     assert by_name["diffusion-revise"]["forwards_per_token"] == (8 + 2 * 1) / 8
     assert by_name["diffusion-threshold"]["forwards_per_token"] <= 1.0
     assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
@@ -136,13 +140,15 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
     args = ["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--student", str(tmp_path / "mdlm.pt"),
             "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
-            "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--ltr-bounds", "0,1e9", "--data",
+            "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--ltr-bounds", "0,1e9",
+            "--low-entropy-bounds", "0,1e9", "--data",
             str(story_file), "--json", str(tmp_path / "curve.json")]
     rows = quality.main(args)
     settings = [(r["model"], r["setting"]) for r in rows]
     assert settings == [(m, s) for m in ("teacher", "student") for s in
                         ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09",
-                         "left-to-right bound 0", "left-to-right bound 1e+09")] + \
+                         "left-to-right bound 0", "left-to-right bound 1e+09", "low-entropy bound 0",
+                         "low-entropy bound 1e+09")] + \
         [("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
     by = {(r["model"], r["setting"]): r for r in rows}
     assert by["teacher", "one token per step"]["y"] == 100 and by["teacher", "one token per step"]["agreement_t0"] == 1
@@ -150,6 +156,10 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     assert by["teacher", "entropy bound 0"]["gen_ppl"] == by["teacher", "one token per step"]["gen_ppl"]
     assert by["teacher", "left-to-right bound 0"]["forwards_per_token"] == 1  # AR order, one token a forward
     assert by["teacher", "left-to-right bound 1e+09"]["forwards_per_token"] == 1 / 4
+    assert by["teacher", "low-entropy bound 1e+09"]["forwards_per_token"] == 1 / 4
+    student, _ = load_model(tmp_path / "mdlm.pt")  # bound 0: one token a step, lowest entropy first
+    assert by["student", "low-entropy bound 0"]["stories"] == [story(generate_cached(
+        student, [EOT], 8, 8, 4, 1.0, "low_entropy", generator=torch.Generator().manual_seed(seed))[0]) for seed in (0, 1)]
     assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
     assert (tmp_path / "curve.json").is_file()
     again = quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--thresholds", "1e-9,0.5"])

@@ -18,7 +18,11 @@ Variants, each off by default:
     one token per step. `remasking="low_entropy"` ranks by entropy, DiffusionGemma's order;
     the default ranks by confidence, so that bound 0 is exactly LLaDA's one-token-per-step sampler;
     `remasking="left_to_right"` ranks by position, so a step commits the run of positions right
-    after the committed text that fits under the bound (bound 0: AR order inside the block);
+    after the committed text that fits under the bound (bound 0: AR order inside the block).
+    At T > 0 the rankings differ in kind: entropy and position are chosen before the draw, so each
+    committed token is a fair sample of its position (one token per step: ancestral sampling in
+    that order); confidence ranks the draws themselves and commits whichever position drew a
+    likely token, a mode. For a model sure of many positions that collapses diversity;
   - `revise` (self-correction, DiffusionGemma-style): after a block is full, `revise` extra steps
     each re-mask the block's lowest-confidence token and predict it again with the finished block
     in view;

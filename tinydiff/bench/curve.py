@@ -47,16 +47,21 @@ def quality_y(row: dict, reference: dict) -> float:
     return 100 * min(1.0, reference["gen_ppl"] / row["gen_ppl"], row["distinct_2"] / reference["distinct_2"])
 
 
-FAMILIES = ("threshold", "entropy bound", "left-to-right bound")  # a diffusion LM's curves after its first point
+# a diffusion LM's curves after its first point
+FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound")
 
 
-def diffusion_settings(thresholds, bounds, ltr_bounds=()) -> list[tuple[str, dict]]:
+def diffusion_settings(thresholds, bounds, ltr_bounds=(), low_entropy_bounds=()) -> list[tuple[str, dict]]:
     """(label, generate_cached keywords) of each point of a diffusion LM's curve: one token per step,
-    thresholds, entropy bounds over the most confident positions, and entropy bounds over the run
-    right after the committed text (remasking left_to_right)."""
+    thresholds, entropy bounds over the most confident positions, over the run right after the
+    committed text (remasking left_to_right), and over the lowest-entropy positions (remasking
+    low_entropy, DiffusionGemma's order: the order does not read the draw, so each committed token
+    is a fair sample of its position, where the confidence order commits modes)."""
     return ([("one token per step", {})] + [(f"threshold {t:g}", {"threshold": t}) for t in thresholds]
             + [(f"entropy bound {e:g}", {"entropy_bound": e}) for e in bounds]
-            + [(f"left-to-right bound {e:g}", {"entropy_bound": e, "remasking": "left_to_right"}) for e in ltr_bounds])
+            + [(f"left-to-right bound {e:g}", {"entropy_bound": e, "remasking": "left_to_right"}) for e in ltr_bounds]
+            + [(f"low-entropy bound {e:g}", {"entropy_bound": e, "remasking": "low_entropy"})
+               for e in low_entropy_bounds])
 
 
 def curve_rows(models: dict, paths: dict, judge, args, reused=()):
@@ -69,7 +74,8 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
         if key in models:
-            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds, args.ltr_bounds):
+            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds, args.ltr_bounds,
+                                                          args.low_entropy_bounds):
                 plans.append((name, label, rule, paths[key], lambda p, g, m=models[key], r=rule: generate_cached(
                     m, p, n, n, block, args.temperature, generator=g, **r)))
     if "ar" in models:
@@ -96,7 +102,8 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
 
 def curve_aups(rows, y_max: float) -> dict:
     """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, with its
-    entropy-bound points, and with its left-to-right points; AR alone; AR with its speculative point."""
+    entropy-bound points, with its left-to-right points, and with its low-entropy points; AR alone;
+    AR with its speculative point."""
     out = {}
     for model in ("teacher", "student"):
         base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]

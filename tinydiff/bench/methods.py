@@ -165,6 +165,8 @@ METHODS = {
     "diffusion-entropy": lambda *a: run_diffusion(*a, sampler=generate_cached, entropy_bound=a[2].entropy_bound),
     **{f"diffusion-distilled-t{t:g}": (lambda *a, t=t: run_distilled(*a, threshold=t)) for t in (0.9, 0.7, 0.5)},
     "diffusion-distilled-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound),
+    "diffusion-distilled-low-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound,
+                                                                remasking="low_entropy"),
     "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }

@@ -33,11 +33,12 @@ from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
 
 
-def cached(key: str, **rule):
+def cached(key: str, remasking="low_confidence", **rule):
     """A sampler entry: the cached block sampler on models[key], with a commit rule read from args."""
     def sample(m, p, a, g):
         options = {name: getattr(a, flag) for name, flag in rule.items()}
-        return generate_cached(m, p, a.gen_length, a.gen_length, a.block_length, a.temperature, generator=g, **options)
+        return generate_cached(m, p, a.gen_length, a.gen_length, a.block_length, a.temperature, remasking,
+                               generator=g, **options)
     return key, sample
 
 
@@ -54,6 +55,7 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
     "distilled": cached("student"),
     "distilled-threshold": cached("student", threshold="threshold"),
     "distilled-entropy": cached("student", entropy_bound="entropy_bound"),
+    "distilled-low-entropy": cached("student", "low_entropy", entropy_bound="entropy_bound"),
 }
 
 
@@ -85,6 +87,8 @@ def parse_args(argv=None):
     curve.add_argument("--entropy-bounds", type=number_list(NATS), default=[0.1, 0.5, 1.0, 2.0], help="comma list, nats")
     curve.add_argument("--ltr-bounds", type=number_list(NATS), default=[], help="comma list, nats: entropy bounds "
                        "over the run of positions right after the committed text (remasking left_to_right)")
+    curve.add_argument("--low-entropy-bounds", type=number_list(NATS), default=[], help="comma list, nats: entropy "
+                       "bounds over the lowest-entropy positions (remasking low_entropy: fair samples, not modes)")
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")

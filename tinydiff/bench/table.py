@@ -15,7 +15,9 @@ For the diffusion rows the "target" is the diffusion LM: one forward = one denoi
 at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a prefix KV cache,
 `diffusion-entropy` that with an entropy bound (EB-Sampler, --entropy-bound nats).
 `diffusion-distilled-t<threshold>` and `diffusion-distilled-entropy` decode the same way with the
---distilled model (train.py --distill): the threshold in the name, or the entropy bound.
+--distilled model (train.py --distill): the threshold in the name, or the entropy bound;
+`diffusion-distilled-low-entropy` commits the lowest-entropy positions under the bound instead of
+the most confident (a fair sample of each position rather than its mode: sampler.py).
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 `dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
 `dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
