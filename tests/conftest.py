@@ -11,6 +11,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")
 
+# pytest.ini runs the suite on pytest-xdist's workers, one per core: each takes its share of the
+# cores for torch's threads, and the subprocesses its tests start (lessons, CLIs) inherit that share.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
+
 STORIES = [
     "Once upon a time, there was a little girl named Lily. She loved to play in the park with her red ball.",
     "Tom had a small dog called Max. Every morning they ran to the river and watched the ducks swim.",
