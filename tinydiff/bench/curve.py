@@ -74,8 +74,8 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
         if key in models:
-            for label, rule in diffusion_settings(args.thresholds, args.entropy_bounds, args.ltr_bounds,
-                                                          args.low_entropy_bounds):
+            settings = diffusion_settings(args.thresholds, args.entropy_bounds, args.ltr_bounds, args.low_entropy_bounds)
+            for label, rule in settings:
                 plans.append((name, label, rule, paths[key], lambda p, g, m=models[key], r=rule: generate_cached(
                     m, p, n, n, block, args.temperature, generator=g, **r)))
     if "ar" in models:
