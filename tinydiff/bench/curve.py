@@ -49,6 +49,7 @@ def quality_y(row: dict, reference: dict) -> float:
 
 # a diffusion LM's curves after its first point
 FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound")
+OWN_START = ("low-entropy bound",)  # another order from the first step: its bound 0 is its own first point
 
 
 def diffusion_settings(thresholds, bounds, ltr_bounds=(), low_entropy_bounds=()) -> list[tuple[str, dict]]:
@@ -108,7 +109,8 @@ def curve_aups(rows, y_max: float) -> dict:
     for model in ("teacher", "student"):
         base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]
         for family in FAMILIES:
-            points = base + [r for r in rows if r["model"] == model and r["setting"].startswith(family)]
+            points = ([] if family in OWN_START else base) + [r for r in rows if r["model"] == model and
+                                                             r["setting"].startswith(family)]
             if len(points) > 1:
                 out[f"{model}, {family}"] = aup([(r["forwards_per_token"] ** -1, r["y"]) for r in points], y_max)
     ar = [r for r in rows if r["model"] == "ar"]
@@ -144,7 +146,7 @@ def plot_curve(rows, path):
         families.setdefault(family, []).append(r)
     for r in rows:  # the one-token-per-step point starts both of its model's lines
         if r["setting"] == "one token per step":
-            for family in (f"{r['model']}, {name.split(' ')[0]}" for name in FAMILIES):
+            for family in (f"{r['model']}, {name.split(' ')[0]}" for name in FAMILIES if name not in OWN_START):
                 if family in families:
                     families[family].insert(0, r)
     for family, points in families.items():
