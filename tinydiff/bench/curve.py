@@ -69,7 +69,7 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     """(rows, reference row, y_max): every point of the curve. models holds "mdlm" and/or "student"
     (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points), paths
     their checkpoints; args: samples, gen_length, block_length, temperature, thresholds,
-    entropy_bounds, k, device. A row of `reused` (an earlier run's rows, same sampling settings)
+    entropy_bounds, ltr_bounds, low_entropy_bounds, k, device. A row of `reused` (an earlier run's rows, same sampling settings)
     stands in for a point of the same model, setting and checkpoint: a point costs minutes."""
     n, block = args.gen_length, args.block_length
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))

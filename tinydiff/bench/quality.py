@@ -10,7 +10,8 @@ with a 95% bootstrap interval, and distinct-2). `--student` is a diffusion LM di
 parallel decoding (train.py --distill); its samplers and the `diffusion-cached`/`-entropy` ones
 run the cached block sampler, the schedule distillation trains for.
 `--curve` (tinydiff/bench/curve.py) instead measures tokens per forward against quality for the
-diffusion LMs at one token per step, each --thresholds value and each --entropy-bounds value, beside
+diffusion LMs at one token per step, each --thresholds value and each --entropy-bounds value (and
+--ltr-bounds / --low-entropy-bounds: the same bound in another commit order), beside
 AR decoding and, with --draft, AR + speculative decoding; then AUP per curve and, with --data,
 each setting's agreement with the teacher's greedy one-token-per-step text.
 """
