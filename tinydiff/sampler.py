@@ -218,6 +218,22 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
     return canvas[P:].tolist(), trace.result(gen_length, device)
 
 
+def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int):
+    """Logits (S, N, V) that predict the block canvases[:, lo:lo+N] (S canvases (S, L) that agree
+    before lo; `cache` holds S rows): one forward of the finished positions the cache lacks, then
+    the block, block-causal against the cached prefix. The cache then keeps the rows of the finished
+    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one)."""
+    shift, start = int(model.config.shift), cache.length  # finished positions not yet cached, then the block
+    position = torch.arange(start, lo + block_length, device=canvases.device)
+    block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
+    mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=canvases.device),
+                      block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
+    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache)  # (S, n, V)
+    cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
+    first = lo - shift - start  # the output that predicts position lo
+    return logits[:, first:first + block_length]
+
+
 @torch.no_grad()
 def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
                     remasking="low_confidence", threshold=None, generator=None, callback=None,
@@ -241,19 +257,10 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
     confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
     cache = model.new_cache(1)
     trace = Trace(callback)
-    shift = int(model.config.shift)
 
     def block_logits(lo):
         trace.forwards += 1
-        start = cache.length  # finished positions not yet cached, then the block
-        position = torch.arange(start, lo + block_length, device=device)
-        block_ids = (position - P).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
-        mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=device),
-                          block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
-        logits = model(canvas[None, start:lo + block_length], mask=mask, cache=cache)[0]
-        cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
-        first = lo - shift - start  # the output that predicts position lo
-        return logits[first:first + block_length]
+        return prefix_cached_logits(model, canvas[None], cache, lo, P, block_length)[0]
 
     for b in range(blocks):
         lo = P + b * block_length

@@ -1,0 +1,163 @@
+"""Spec: self-speculative sampling of a diffusion LM (tinydiff/self_speculative.py) is the cached
+one-token-per-step sampler in the same order, only with fewer forwards. At temperature 0 token
+for token (float64 models, both orders, shifted or not, any number of drafts); at temperature 1
+its samples follow the exact joint of that sampler, enumerated with plain uncached forwards
+(chi-square with its power asserted, stats_helpers); the counts are the forwards and canvases
+the model really ran."""
+import pytest
+import torch
+from stats_helpers import assert_follows_the_joint, random_model
+from stats_helpers import one_thread  # noqa: F401 (autouse fixture)
+
+from tinydiff.errors import UserError
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.sampler import block_causal_mask, generate_cached, position_entropy
+from tinydiff.sampling import next_token_probs
+from tinydiff.self_speculative import self_speculative_generate
+from tinydiff.tokenizer import MASK
+
+PROMPT = [50256, 464, 3797, 318]
+ORDERS = ("left_to_right", "low_entropy")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "shifted"])
+def peaked(request):
+    """Random float64 weights whose blocks matter and whose entropies spread (0.01 to a few nats), so
+    that drafts are kept and rejected; GPT-2's vocabulary and MASK."""
+    config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False, shift=request.param)
+    return random_model(config, 0, embed_std=2.0).double()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("drafts", [1, 2, 5])
+def test_greedy_tokens_equal_the_one_token_per_step_sampler(peaked, order, drafts):
+    want, base = generate_cached(peaked, PROMPT, 16, 16, 8, 0.0, order)
+    rounds = []
+    got, stats = self_speculative_generate(peaked, PROMPT, 16, 8, 0.0, order, drafts, on_round=rounds.append)
+    assert got == want
+    committed = [t for r in rounds for t in r["committed"]]
+    assert sorted(committed) == [(len(PROMPT) + i, t) for i, t in enumerate(want)]  # each position once
+    assert all(1 <= len(r["committed"]) <= drafts for r in rounds)
+    if drafts == 1:  # the target's own step every round: generate_cached's forwards exactly
+        assert stats.forwards == base.forwards == 16 and stats.verify_states == 16 - 2
+    assert stats.forwards <= base.forwards
+
+
+def counting(model):
+    """The batch size of every forward the model runs."""
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    return calls
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_counts_are_the_forwards_and_canvases_run(order):
+    config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False)
+    model = random_model(config, 1, embed_std=2.0).double()
+    calls = counting(model)
+    out, stats = self_speculative_generate(model, PROMPT, 24, 8, 1.0, order, 3,
+                                           generator=torch.Generator().manual_seed(0))
+    blocks = 3
+    assert stats.forwards == len(calls) and stats.verify_states == sum(calls) - blocks
+    assert calls.count(1) >= blocks and max(calls) <= 3 + 1
+    assert stats.new_tokens == len(out) == 24 and stats.rounds == sum(stats.accepted)
+    assert stats.forwards <= stats.rounds + blocks
+    assert stats.states_per_token == stats.verify_states / 24
+    assert stats.rejected > 0 and any(stats.accepted[2:])  # both branches of the rule ran
+
+
+# Distribution: a diffusion LM over V = 6 ids, NEW = 4 tokens after a 2-token prompt.
+V, NEW, SMALL_PROMPT = 6, 4, [1, 2]
+
+
+class SmallVocab(torch.nn.Module):
+    """A random diffusion LM over V ids: MASK reads as the extra id V, and the logits are the V real
+    ids' (the model never predicts MASK). Cheap enough for thousands of seeded generations."""
+
+    def __init__(self, shift: bool, seed: int):
+        super().__init__()
+        config = ModelConfig(vocab_size=V + 1, context=8, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=False,
+                             shift=shift)
+        self.inner = random_model(config, seed)
+        self.config, self.embed = self.inner.config, self.inner.embed
+
+    def new_cache(self, batch_size=1):
+        return self.inner.new_cache(batch_size)
+
+    def forward(self, idx, **kwargs):
+        return self.inner(torch.where(idx == MASK, V, idx), **kwargs)[..., :V]
+
+
+@torch.no_grad()
+def exact_joint(model, order, temperature, block):
+    """P(x_1..x_NEW) of one token per step in `order`, blocks of `block` left to right, for all V^NEW
+    continuations: every path walked with full uncached block-causal forwards."""
+    P, shift = len(SMALL_PROMPT), int(model.config.shift)
+    ids = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(NEW) // block])
+    mask = block_causal_mask(ids)
+    probs = torch.zeros(V ** NEW, dtype=torch.float64)
+
+    def walk(canvas, mass):
+        open_ = [i for i in range(P, P + NEW) if canvas[i] == MASK]
+        if not open_:
+            probs[sum(int(t) * V ** (NEW - 1 - i) for i, t in enumerate(canvas[P:]))] += mass
+            return
+        lo = P + (open_[0] - P) // block * block
+        logits = model(canvas[None], causal=False, mask=mask)[0, lo - shift:lo - shift + block].double()
+        here = torch.tensor([i - lo for i in open_ if i < lo + block])
+        if order == "low_entropy":
+            here = here[torch.argsort(position_entropy(logits[here], temperature), stable=True)]
+        p = next_token_probs(logits[here[0]], temperature)
+        for v in range(V):
+            if p[v] > 0:
+                walk(torch.cat([canvas[:lo + here[0]], torch.tensor([v]), canvas[lo + here[0] + 1:]]), mass * float(p[v]))
+
+    walk(torch.tensor(SMALL_PROMPT + [MASK] * NEW), 1.0)
+    return probs
+
+
+CASES = {  # name: (order, shifted, block, drafts, model seed, samples), at T 1.5: a flatter joint needs fewer
+    "left to right, two blocks": ("left_to_right", False, 2, 2, 3, 5_000),  # samples for the same power
+    "entropy order, shifted": ("low_entropy", True, 4, 3, 6, 5_000),  # room for the target to pick another position
+}
+TEMPERATURE = 1.5
+
+
+@pytest.mark.parametrize("case", CASES)
+@torch.no_grad()
+def test_samples_follow_the_one_token_per_step_joint(case):
+    """Chi-square of seeded generations against the enumerated joint at significance 1e-3, with
+    power >= 0.9 against one continuation off by 2 points (stats_helpers.assert_follows_the_joint
+    computes and asserts it). The drafts must be kept and rejected in these runs, and in the entropy
+    order also rejected for a position the target would not pick: every branch of the rule runs."""
+    order, shifted, block, drafts, seed, n = CASES[case]
+    model, temperature = SmallVocab(shifted, seed), TEMPERATURE
+    probs = exact_joint(model, order, temperature, block)
+    assert abs(float(probs.sum()) - 1) < 1e-9
+    counts = torch.zeros(V ** NEW, dtype=torch.long)
+    generator, kept, rejected, moved = torch.Generator().manual_seed(1234), [0] * (drafts + 1), 0, 0
+
+    def on_round(info):
+        nonlocal rejected, moved
+        kept[info["accepted"]] += 1
+        if info["accepted"] < len(info["positions"]):  # the target's own token: at the drafted position?
+            rejected += 1
+            moved += info["committed"][-1][0] != info["block_start"] + info["positions"][info["accepted"]]
+
+    for _ in range(n):
+        out, _ = self_speculative_generate(model, SMALL_PROMPT, NEW, block, temperature, order, drafts,
+                                           generator=generator, on_round=on_round)
+        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+    assert_follows_the_joint(probs, counts, n)
+    assert rejected > 0 and sum(kept[2:]) > 0
+    assert (moved > 0) == (order == "low_entropy")  # left to right, the target's position is the draft's
+
+
+def test_bad_input_gets_a_one_line_error():
+    model = Transformer(ModelConfig(context=64, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=False)).eval()
+    with pytest.raises(UserError, match="order chosen before the draw"):
+        self_speculative_generate(model, PROMPT, 8, 8, 1.0, "low_confidence", 2)
+    with pytest.raises(UserError, match="draft positions must be >= 1"):
+        self_speculative_generate(model, PROMPT, 8, 8, 1.0, "left_to_right", 0)
+    with pytest.raises(UserError, match="multiple of the block length"):
+        self_speculative_generate(model, PROMPT, 10, 8, 1.0, "left_to_right", 2)
