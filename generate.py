@@ -3,6 +3,7 @@
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Once upon a time"
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --threshold 0.9
     python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --cached --entropy-bound 1
+    python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --temperature 1 --self-speculate 2
     python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Tom had a dog" --temperature 0 --json
     python generate.py --ckpt out/ar-tiny/ckpt.pt --method spec --draft out/ar-draft/ckpt.pt --k 4 \
         --prompt "Tom had a dog"
@@ -46,6 +47,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
+from tinydiff.self_speculative import ORDERS, self_speculative_generate
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -54,7 +56,7 @@ AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
 # method -> checkpoint kinds it decodes (the AR family: a dense or MoE target, its experts float or FP4)
 METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": ("mdlm", "mdlm-moe")}
 DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
-DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise",
+DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise", "self_speculate",
                    "cached", "no_animate", "routing", "route_threshold", "route_guard", "route_mask_vote")
 # flag -> the methods that read it; a flag given to another method is an error, never ignored
 USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
@@ -110,6 +112,9 @@ def parse_args(argv=None):
     diff.add_argument("--threshold", type=MASS, help="commit every position at least this confident (parallel decoding)")
     diff.add_argument("--entropy-bound", type=NATS, help="commit the most confident run of positions whose entropies, "
                       "less the largest, sum to at most this many nats (EB-Sampler; parallel decoding)")
+    diff.add_argument("--self-speculate", type=COUNT, help="draft this many positions a round from the model's own "
+                      "distributions and verify them in one batched forward: one token per step in the --remasking "
+                      "order (left_to_right, the default here, or low_entropy) exactly, in fewer forwards (cached)")
     diff.add_argument("--revise", type=COUNT_OR_NONE, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
@@ -221,7 +226,25 @@ def compiled(args, method, k=4, block_size=16, budget=None, block_length=32, shi
     return tuple(args.compiled_models)
 
 
+def run_self_speculative(model, prompt, args, generator, callback):
+    """--self-speculate K: the cached sampler one token per step, K positions drafted a round (self_speculative.py)."""
+    clash = [flag for flag, value in (("--threshold", args.threshold), ("--entropy-bound", args.entropy_bound),
+                                      ("--revise", args.revise), ("--compile", args.compile)) if value]
+    if args.steps not in (None, args.gen_length):
+        clash.append("--steps")
+    if clash:
+        raise UserError(f"--self-speculate samples one token per step exactly (cached, eager); drop {', '.join(clash)}")
+    order = args.remasking if "remasking" in args.given else "left_to_right"
+    if order not in ORDERS:
+        raise UserError(f"--self-speculate commits in an order chosen before the draw: pass --remasking "
+                        f"{' or '.join(ORDERS)}, not {order}")
+    return self_speculative_generate(model, prompt, args.gen_length, args.block_length, args.temperature, order,
+                                     args.self_speculate, generator, on_round=callback)
+
+
 def run_diffusion(model, prompt, args, generator, callback):
+    if args.self_speculate:
+        return run_self_speculative(model, prompt, args, generator, callback)
     steps = args.gen_length if args.steps is None else args.steps
     common = dict(temperature=args.temperature, remasking=args.remasking, threshold=args.threshold,
                   entropy_bound=args.entropy_bound, generator=generator, callback=callback)

@@ -86,6 +86,13 @@ def test_diffusion_json_output(mdlm_ckpt):
               "--entropy-bound", "1e9", "--json")  # a bound nothing reaches: each block in one forward
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["stats"]["forwards"] == 2
+    common = ["--ckpt", mdlm_ckpt, "--prompt", "Once upon a time", "--gen-length", 8, "--block-length", 4, "--json"]
+    one_per_step = json.loads(run(*common, "--cached", "--remasking", "left_to_right").stdout)
+    res = run(*common, "--self-speculate", 3)  # left to right by default; greedy: the same tokens
+    assert res.returncode == 0, res.stderr
+    drafted = json.loads(res.stdout)
+    assert drafted["ids"] == one_per_step["ids"] and drafted["stats"]["forwards"] <= 8
+    assert len(drafted["stats"]["accepted"]) == 4 and drafted["stats"]["verify_states"] > 0
 
 
 def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
@@ -170,6 +177,8 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
     (["--method", "ar"], "needs a ar or ar-moe checkpoint"),
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", -1], "--entropy-bound: must be a finite number >= 0"),
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", 0.5, "--threshold", 0.9], "not both"),
+    (["--self-speculate", 2, "--threshold", 0.9], "one token per step exactly (cached, eager); drop --threshold"),
+    (["--self-speculate", 2, "--remasking", "low_confidence"], "pass --remasking left_to_right or low_entropy"),
 ])
 def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
     res = run("--ckpt", mdlm_ckpt, "--prompt", "hi", *args)
@@ -251,6 +260,11 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     for name in ("diffusion-entropy", "diffusion-distilled-entropy", "diffusion-distilled-low-entropy"):  # a bound
         # nothing reaches: one forward a block
         assert rows[name]["target_forwards_per_token"] == 1 / 8
+    for k in (1, 2, 4):  # lossless left to right: never more than one forward a token, nor more than k tokens
+        row = rows[f"diffusion-distilled-self-spec-k{k}"]
+        assert 1 <= row["tau"] <= k and len(row["accepted_hist"]) == k + 1 and len(row["acceptance_by_slot"]) == k
+        assert row["heldout_nll"] == rows["diffusion"]["heldout_nll"]
+    assert rows["diffusion-distilled-self-spec-k1"]["tau"] == 1  # one draft a round: the target's own step
     for t in (0.9, 0.7, 0.5):
         assert rows[f"diffusion-distilled-t{t:g}"]["target_forwards_per_token"] <= 1
         assert rows[f"diffusion-distilled-t{t:g}"]["heldout_nll"] == rows["diffusion"]["heldout_nll"]  # --distilled is it

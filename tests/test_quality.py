@@ -141,14 +141,14 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     args = ["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--student", str(tmp_path / "mdlm.pt"),
             "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
             "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--ltr-bounds", "0,1e9",
-            "--low-entropy-bounds", "0,1e9", "--data",
+            "--low-entropy-bounds", "0,1e9", "--self-spec-drafts", "1,2", "--data",
             str(story_file), "--json", str(tmp_path / "curve.json")]
     rows = quality.main(args)
     settings = [(r["model"], r["setting"]) for r in rows]
     assert settings == [(m, s) for m in ("teacher", "student") for s in
                         ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09",
                          "left-to-right bound 0", "left-to-right bound 1e+09", "low-entropy bound 0",
-                         "low-entropy bound 1e+09")] + \
+                         "low-entropy bound 1e+09", "self-speculative 1", "self-speculative 2")] + \
         [("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
     by = {(r["model"], r["setting"]): r for r in rows}
     assert by["teacher", "one token per step"]["y"] == 100 and by["teacher", "one token per step"]["agreement_t0"] == 1
@@ -160,6 +160,11 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     student, _ = load_model(tmp_path / "mdlm.pt")  # bound 0: one token a step, lowest entropy first
     assert by["student", "low-entropy bound 0"]["stories"] == [story(generate_cached(
         student, [EOT], 8, 8, 4, 1.0, "low_entropy", generator=torch.Generator().manual_seed(seed))[0]) for seed in (0, 1)]
+    for name in ("teacher", "student"):  # exactly the left-to-right sampler: one draft a round is one forward a
+        assert by[name, "self-speculative 1"]["forwards_per_token"] == 1  # token, and at T = 0 the same text
+        assert by[name, "self-speculative 2"]["forwards_per_token"] <= 1
+        for k in (1, 2):
+            assert by[name, f"self-speculative {k}"]["agreement_t0"] == by[name, "left-to-right bound 0"]["agreement_t0"]
     assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
     assert (tmp_path / "curve.json").is_file()
     again = quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--thresholds", "1e-9,0.5"])

@@ -110,7 +110,7 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
                               order="left_to_right", draft_positions=4, generator=None, on_round=None):
     """Sample `gen_length` tokens after `prompt` (list of ids) as generate_cached(..., steps=gen_length,
     remasking=order) does, drafting `draft_positions` tokens a round; returns (new ids, SelfSpeculated).
-    on_round(info) sees each round's drafts, kept count and committed tokens."""
+    on_round(info) sees each round's canvas after it, drafts, kept count and committed tokens."""
     check_args(model, prompt, gen_length, gen_length, block_length, temperature, order, None)
     check_draft_args(order, draft_positions)
     device = model.embed.weight.device
@@ -148,7 +148,7 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
                 canvas[lo + position] = token
                 logits, ref_is_canvas = judged[kept:kept + 1], False
             if on_round is not None:
-                on_round({"block_start": lo, "positions": positions.tolist(), "drafts": tokens.tolist(), "accepted": kept,
+                on_round({"canvas": canvas.clone(), "block_start": lo, "positions": positions.tolist(), "drafts": tokens.tolist(), "accepted": kept,
                           "committed": [(int(lo + positions[j]), int(tokens[j])) for j in range(kept)]
                           + ([(lo + position, token)] if position is not None else [])})
     tally.prefill = forwards - sum(tally.hist)  # each block's first forward, less the rounds that ran none

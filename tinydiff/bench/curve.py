@@ -25,6 +25,7 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.judge import sample_and_judge
 from tinydiff.sampler import generate_cached
+from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import speculative_generate
 
 
@@ -48,8 +49,8 @@ def quality_y(row: dict, reference: dict) -> float:
 
 
 # a diffusion LM's curves after its first point
-FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound")
-OWN_START = ("low-entropy bound",)  # another order from the first step: its bound 0 is its own first point
+FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound", "self-speculative")
+OWN_START = ("low-entropy bound", "self-speculative")  # another order from the first step: its own first point
 
 
 def diffusion_settings(thresholds, bounds, ltr_bounds=(), low_entropy_bounds=()) -> list[tuple[str, dict]]:
@@ -69,8 +70,10 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     """(rows, reference row, y_max): every point of the curve. models holds "mdlm" and/or "student"
     (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points), paths
     their checkpoints; args: samples, gen_length, block_length, temperature, thresholds,
-    entropy_bounds, ltr_bounds, low_entropy_bounds, k, device. A row of `reused` (an earlier run's rows, same sampling settings)
-    stands in for a point of the same model, setting and checkpoint: a point costs minutes."""
+    entropy_bounds, ltr_bounds, low_entropy_bounds, self_spec_drafts, k, device. A row of `reused` (an earlier
+    run's rows, same sampling settings) stands in for a point of the same model, setting and checkpoint: a point
+    costs minutes. A "self-speculative k" point samples exactly the left-to-right one-token-per-step sampler
+    (self_speculative.py, k positions drafted a round); its rule is that sampler's, whose T = 0 text it writes."""
     n, block = args.gen_length, args.block_length
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
@@ -79,6 +82,10 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
             for label, rule in settings:
                 plans.append((name, label, rule, paths[key], lambda p, g, m=models[key], r=rule: generate_cached(
                     m, p, n, n, block, args.temperature, generator=g, **r)))
+            for k in args.self_spec_drafts:
+                plans.append((name, f"self-speculative {k}", {"remasking": "left_to_right"}, paths[key],
+                              lambda p, g, m=models[key], k=k: self_speculative_generate(
+                                  m, p, n, block, args.temperature, "left_to_right", k, generator=g)))
     if "ar" in models:
         plans.append(("ar", "one token per forward", {}, paths["ar"], lambda p, g: ar_generate(
             models["ar"], p, n, args.temperature, generator=g)))
@@ -103,8 +110,8 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
 
 def curve_aups(rows, y_max: float) -> dict:
     """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, with its
-    entropy-bound points, with its left-to-right points, and with its low-entropy points; AR alone;
-    AR with its speculative point."""
+    entropy-bound points, with its left-to-right points; its low-entropy points and its self-speculative
+    points alone (another order); AR alone; AR with its speculative point."""
     out = {}
     for model in ("teacher", "student"):
         base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]

@@ -24,6 +24,7 @@ from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
 from tinydiff.sampler import generate, generate_cached
+from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import draft_round, speculative_generate
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
@@ -46,6 +47,15 @@ def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
 def run_distilled(models, prompt, args, generator, **rule):
     """The distilled diffusion LM (train.py --distill) on the cached block sampler it was distilled for."""
     return run_diffusion({"mdlm": models["distilled"]}, prompt, args, generator, sampler=generate_cached, **rule)
+
+
+def run_self_spec(models, prompt, args, generator, k):
+    """The distilled diffusion LM one token per step left to right, k positions a round drafted from its own
+    distributions and verified by one batched forward (self_speculative.py): lossless."""
+    n = args.new_tokens
+    ids, result = self_speculative_generate(models["distilled"], prompt, n, min(32, n), args.temperature,
+                                            "left_to_right", k, generator=generator)
+    return chain_counts(ids, result)
 
 
 def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_round):
@@ -167,6 +177,7 @@ METHODS = {
     "diffusion-distilled-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound),
     "diffusion-distilled-low-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound,
                                                                 remasking="low_entropy"),
+    **{f"diffusion-distilled-self-spec-k{k}": (lambda *a, k=k: run_self_spec(*a, k=k)) for k in (1, 2, 4)},
     "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
@@ -203,7 +214,7 @@ def spec_hot(k: int) -> dict:
 def compiled_models(method: str, models: dict, args) -> dict | None:
     """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
-    samplers (no cache to make static) and dMoE (routing has no fixed shapes), an ar-moe target included."""
+    samplers (no cache to make static), the self-speculative ones (batched canvases) and dMoE (routing has no fixed shapes), an ar-moe target included."""
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
     mode = args.compile
@@ -224,6 +235,8 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if method.startswith("eagle3-"):
         hot = hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32)
         return wrap(models, hot, mode)
+    if "-self-spec-" in method:  # batched verify canvases: no static batch-1 cache
+        return None
     role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
     if method in ("diffusion-cached", "diffusion-entropy") or role == "distilled":
         block = min(32, args.new_tokens)  # run_diffusion's blocks

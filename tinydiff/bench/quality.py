@@ -11,7 +11,8 @@ parallel decoding (train.py --distill); its samplers and the `diffusion-cached`/
 run the cached block sampler, the schedule distillation trains for.
 `--curve` (tinydiff/bench/curve.py) instead measures tokens per forward against quality for the
 diffusion LMs at one token per step, each --thresholds value and each --entropy-bounds value (and
---ltr-bounds / --low-entropy-bounds: the same bound in another commit order), beside
+--ltr-bounds / --low-entropy-bounds: the same bound in another commit order; --self-spec-drafts:
+the left-to-right sampler made lossless-parallel, tinydiff/self_speculative.py), beside
 AR decoding and, with --draft, AR + speculative decoding; then AUP per curve and, with --data,
 each setting's agreement with the teacher's greedy one-token-per-step text.
 """
@@ -31,6 +32,7 @@ from tinydiff.judge import sample_and_judge
 from tinydiff.kinds import AR_KINDS, load_model
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate, generate_cached
+from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
 
@@ -57,6 +59,8 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
     "distilled-threshold": cached("student", threshold="threshold"),
     "distilled-entropy": cached("student", entropy_bound="entropy_bound"),
     "distilled-low-entropy": cached("student", "low_entropy", entropy_bound="entropy_bound"),
+    "distilled-self-spec": ("student", lambda m, p, a, g: self_speculative_generate(
+        m, p, a.gen_length, a.block_length, a.temperature, "left_to_right", a.draft_positions, generator=g)),
 }
 
 
@@ -80,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=MASS, default=0.9, help="for the *-threshold samplers")
     p.add_argument("--entropy-bound", type=NATS, default=0.1, help="nats, for the *-entropy samplers: commit the "
                    "most confident run with sum(H) - max(H) under it (EB-Sampler)")
+    p.add_argument("--draft-positions", type=COUNT, default=2, help="for distilled-self-spec: positions drafted a "
+                   "round from the model's own distributions, verified by one batched forward (lossless)")
     p.add_argument("--revise", type=COUNT_OR_NONE, default=4, help="self-correction steps per block, for diffusion-revise")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
     curve = p.add_argument_group("--curve: tokens per forward against quality")
@@ -90,6 +96,8 @@ def parse_args(argv=None):
                        "over the run of positions right after the committed text (remasking left_to_right)")
     curve.add_argument("--low-entropy-bounds", type=number_list(NATS), default=[], help="comma list, nats: entropy "
                        "bounds over the lowest-entropy positions (remasking low_entropy: fair samples, not modes)")
+    curve.add_argument("--self-spec-drafts", type=number_list(COUNT), default=[], help="comma list: self-speculative "
+                       "points, left to right one token per step exactly, this many positions drafted a round")
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")

@@ -18,6 +18,10 @@ at least 0.9 confident (Fast-dLLM), `diffusion-cached` is block-causal with a pr
 --distilled model (train.py --distill): the threshold in the name, or the entropy bound;
 `diffusion-distilled-low-entropy` commits the lowest-entropy positions under the bound instead of
 the most confident (a fair sample of each position rather than its mode: sampler.py).
+`diffusion-distilled-self-spec-k<k>` samples the distilled model one token per step left to right,
+exactly, with k positions a round drafted from its own distributions and verified by one batched
+forward (self_speculative.py; tau counts the batched forward once, the block's first forward too);
+k = 1 is that sampler itself, one forward a token.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 `dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
 `dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
