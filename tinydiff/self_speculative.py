@@ -127,29 +127,29 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
         cache.length, ref_is_canvas = first.length, True
         while (canvas[lo:lo + block_length] == MASK).any():
             positions, tokens, q = draft(logits[0], canvas[lo:lo + block_length], order, m, temperature, generator)
-            chain = canvas.repeat(len(tokens) + 1, 1)  # (n + 1, L): C + d_<j, j = 0..n
-            for j in range(len(tokens)):
+            n = len(tokens)
+            chain = canvas.repeat(n + 1, 1)  # (n + 1, L): C + d_<j, j = 0..n
+            for j in range(n):
                 chain[j + 1:, lo + positions[j]] = tokens[j]
-            if not (chain[-1, lo:lo + block_length] == MASK).any():
-                chain = chain[:-1]  # the block is full there: nothing to predict
-            run = chain[1:] if ref_is_canvas else chain  # C's own logits are at hand when R = C
-            view = row_view(cache, len(run))
-            ran = prefix_cached_logits(model, run, view, lo, P, block_length) if len(run) else logits[:0]
-            forwards, states = forwards + bool(len(run)), states + len(run)
-            judged = torch.cat([logits[:1], ran]) if ref_is_canvas else ran  # (n or n + 1, N, V)
-            kept, position, token = verify(judged, chain[:, lo:lo + block_length], positions, tokens, q,
-                                           order, temperature, generator)
-            tally.add(kept, len(tokens), 0)
-            canvas = chain[min(kept, len(chain) - 1)].clone()
-            if kept == len(tokens):  # every draft kept: the canvas is the chain's last, plus the last draft
-                canvas[lo + positions[-1]] = tokens[-1]
-                logits, ref_is_canvas = judged[-1:], kept < len(chain)
+            full = not (chain[-1, lo:lo + block_length] == MASK).any()  # nothing left there to predict
+            run = chain[int(ref_is_canvas):n + (not full)]  # C's own logits are at hand when R = C
+            if len(run):
+                logits = torch.cat([logits[:int(ref_is_canvas)],
+                                    prefix_cached_logits(model, run, row_view(cache, len(run)), lo, P, block_length)])
+                forwards, states = forwards + 1, states + len(run)  # logits (n + (not full), N, V): canvas j's
+            kept, position, token = verify(logits, chain[:, lo:lo + block_length], positions, tokens, q, order,
+                                           temperature, generator)
+            tally.add(kept, n, 0)
+            canvas = chain[kept].clone()
+            if position is None:  # every draft kept: the next round's first draft is the target's own step
+                logits, ref_is_canvas = logits[n:n + 1], True
             else:  # the target's own token after the kept ones; the next drafts read the canvas before it
                 canvas[lo + position] = token
-                logits, ref_is_canvas = judged[kept:kept + 1], False
+                logits, ref_is_canvas = logits[kept:kept + 1], False
             if on_round is not None:
-                on_round({"canvas": canvas.clone(), "block_start": lo, "positions": positions.tolist(), "drafts": tokens.tolist(), "accepted": kept,
-                          "committed": [(int(lo + positions[j]), int(tokens[j])) for j in range(kept)]
-                          + ([(lo + position, token)] if position is not None else [])})
+                committed = [(int(lo + positions[j]), int(tokens[j])) for j in range(kept)]
+                on_round({"canvas": canvas.clone(), "block_start": lo, "positions": positions.tolist(),
+                          "drafts": tokens.tolist(), "accepted": kept,
+                          "committed": committed + ([(lo + position, token)] if position is not None else [])})
     tally.prefill = forwards - sum(tally.hist)  # each block's first forward, less the rounds that ran none
     return canvas[P:].tolist(), tally.result(canvas[P:], device, SelfSpeculated, verify_states=states)
