@@ -92,7 +92,7 @@ def test_diffusion_json_output(mdlm_ckpt):
     assert res.returncode == 0, res.stderr
     drafted = json.loads(res.stdout)
     assert drafted["ids"] == one_per_step["ids"] and drafted["stats"]["forwards"] <= 8
-    assert len(drafted["stats"]["accepted"]) == 4 and drafted["stats"]["verify_states"] > 0
+    assert len(drafted["stats"]["accepted"]) == 4 and drafted["stats"]["canvases"] > drafted["stats"]["forwards"]
 
 
 def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
@@ -265,6 +265,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert 1 <= row["tau"] <= k and len(row["accepted_hist"]) == k + 1 and len(row["acceptance_by_slot"]) == k
         assert row["heldout_nll"] == rows["diffusion"]["heldout_nll"]
     assert rows["diffusion-distilled-self-spec-k1"]["tau"] == 1  # one draft a round: the target's own step
+    assert rows["diffusion-distilled-self-spec-k1"]["canvases_per_token"] == 1
+    assert rows["diffusion-distilled-self-spec-k4"]["canvases_per_token"] >= 1
     for t in (0.9, 0.7, 0.5):
         assert rows[f"diffusion-distilled-t{t:g}"]["target_forwards_per_token"] <= 1
         assert rows[f"diffusion-distilled-t{t:g}"]["heldout_nll"] == rows["diffusion"]["heldout_nll"]  # --distilled is it

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tinydiff import judge
 from tinydiff.bench import quality
-from tinydiff.bench.curve import aup, quality_y
+from tinydiff.bench.curve import aup, curve_aups, quality_y
 from tinydiff.checkpoint import save_checkpoint
 from tinydiff.errors import UserError
 from tinydiff.judge import story
@@ -132,6 +132,20 @@ def test_quality_y_takes_the_worse_ratio_capped_at_100():
     assert quality_y({"gen_ppl": 20.0, "distinct_2": 0.5}, ref) == 50.0
     assert quality_y({"gen_ppl": 5.0, "distinct_2": 0.25}, ref) == 50.0  # lower perplexity from repeating earns nothing
     assert quality_y({"gen_ppl": 5.0, "distinct_2": 0.9}, ref) == 100.0
+
+
+def test_each_curve_starts_at_the_one_token_per_step_point_of_its_order():
+    """The confidence-order families start at the model's one-token-per-step point; another order's at its own
+    first point; the self-speculative points, which sample the left-to-right sampler exactly, at its bound 0."""
+    def row(setting, rho, y):
+        return {"model": "student", "setting": setting, "forwards_per_token": 1 / rho, "y": y}
+    rows = [row("one token per step", 1, 100), row("threshold 0.5", 2, 60), row("left-to-right bound 0", 1, 90),
+            row("left-to-right bound 1", 1.5, 80), row("low-entropy bound 1", 1.2, 70), row("self-speculative 2", 1.5, 90)]
+    got = curve_aups(rows, 100)
+    assert got["student, threshold"] == aup([(1, 100), (2, 60)], 100)
+    assert got["student, left-to-right bound"] == aup([(1, 90), (1.5, 80)], 100)
+    assert got["student, self-speculative"] == aup([(1, 90), (1.5, 90)], 100)
+    assert "student, low-entropy bound" not in got  # one point, no curve
 
 
 def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):

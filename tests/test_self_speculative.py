@@ -39,7 +39,7 @@ def test_greedy_tokens_equal_the_one_token_per_step_sampler(peaked, order, draft
     assert sorted(committed) == [(len(PROMPT) + i, t) for i, t in enumerate(want)]  # each position once
     assert all(1 <= len(r["committed"]) <= drafts for r in rounds)
     if drafts == 1:  # the target's own step every round: generate_cached's forwards exactly
-        assert stats.forwards == base.forwards == 16 and stats.verify_states == 16 - 2
+        assert stats.forwards == base.forwards == stats.canvases == 16
     assert stats.forwards <= base.forwards
 
 
@@ -58,11 +58,11 @@ def test_counts_are_the_forwards_and_canvases_run(order):
     out, stats = self_speculative_generate(model, PROMPT, 24, 8, 1.0, order, 3,
                                            generator=torch.Generator().manual_seed(0))
     blocks = 3
-    assert stats.forwards == len(calls) and stats.verify_states == sum(calls) - blocks
+    assert stats.forwards == len(calls) and stats.canvases == sum(calls)
     assert calls.count(1) >= blocks and max(calls) <= 3 + 1
     assert stats.new_tokens == len(out) == 24 and stats.rounds == sum(stats.accepted)
     assert stats.forwards <= stats.rounds + blocks
-    assert stats.states_per_token == stats.verify_states / 24
+    assert stats.canvases_per_token == stats.canvases / 24
     assert stats.rejected > 0 and any(stats.accepted[2:])  # both branches of the rule ran
 
 

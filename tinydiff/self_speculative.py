@@ -22,7 +22,7 @@ At temperature 0 every distribution is one-hot: the rule reads "keep while the d
 target's argmax at the target's position", greedy decoding in that order, token for token.
 
 Counting: a batched forward counts as one forward (what a GPU pays at these sizes, and how the
-speculative loops count a verify of k + 1 tokens); `verify_states` counts its canvases, the work
+speculative loops count a verify of k + 1 tokens); `canvases` counts the canvases run, the work
 a CPU pays. Each block's first forward (prefix rows, then the block) drafts nothing; a round whose
 only draft fills the block runs none (its draft is the target's own step). So one draft a round
 runs exactly generate_cached's forwards, one per token.
@@ -46,12 +46,12 @@ ORDERS = ("left_to_right", "low_entropy")
 
 @dataclass(frozen=True, kw_only=True)
 class SelfSpeculated(Speculated):
-    verify_states: int  # canvases run by the batched forwards (a forward of S canvases costs a CPU ~S)
-    DERIVED = Speculated.DERIVED + ("states_per_token",)
+    canvases: int  # the canvases its forwards ran: a forward of S canvases costs a CPU about S
+    DERIVED = Speculated.DERIVED + ("canvases_per_token",)
 
     @property
-    def states_per_token(self) -> float:
-        return self.verify_states / self.new_tokens
+    def canvases_per_token(self) -> float:
+        return self.canvases / self.new_tokens
 
 
 def ranked_open(logits, canvas_block, order: str, temperature: float):
@@ -117,11 +117,11 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
     P, m = len(prompt), draft_positions
     canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
     cache = model.new_cache(m + 1)  # row 0 runs each block's first forward; rows 0..m the verify batch
-    tally, forwards, states = Tally(k=m), 0, 0
+    tally, forwards, canvases = Tally(k=m), 0, 0
     for lo in range(P, P + gen_length, block_length):
         first = row_view(cache, 1)
         logits = prefix_cached_logits(model, canvas[None], first, lo, P, block_length)  # (1, N, V)
-        forwards += 1
+        forwards, canvases = forwards + 1, canvases + 1
         for t in cache.k + cache.v:  # every row of the batch reads the same prefix
             t[1:, :, cache.length:first.length] = t[:1, :, cache.length:first.length]
         cache.length, ref_is_canvas = first.length, True
@@ -136,7 +136,7 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
             if len(run):
                 logits = torch.cat([logits[:int(ref_is_canvas)],
                                     prefix_cached_logits(model, run, row_view(cache, len(run)), lo, P, block_length)])
-                forwards, states = forwards + 1, states + len(run)  # logits (n + (not full), N, V): canvas j's
+                forwards, canvases = forwards + 1, canvases + len(run)  # logits (n + (not full), N, V): canvas j's
             kept, position, token = verify(logits, chain[:, lo:lo + block_length], positions, tokens, q, order,
                                            temperature, generator)
             tally.add(kept, n, 0)
@@ -152,4 +152,4 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
                           "drafts": tokens.tolist(), "accepted": kept,
                           "committed": committed + ([(lo + position, token)] if position is not None else [])})
     tally.prefill = forwards - sum(tally.hist)  # each block's first forward, less the rounds that ran none
-    return canvas[P:].tolist(), tally.result(canvas[P:], device, SelfSpeculated, verify_states=states)
+    return canvas[P:].tolist(), tally.result(canvas[P:], device, SelfSpeculated, canvases=canvases)

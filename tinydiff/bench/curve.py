@@ -50,7 +50,16 @@ def quality_y(row: dict, reference: dict) -> float:
 
 # a diffusion LM's curves after its first point
 FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound", "self-speculative")
-OWN_START = ("low-entropy bound", "self-speculative")  # another order from the first step: its own first point
+# the point each family's line starts from: the confidence order's one token per step, or None for its own first
+# point (another order from the first step); a self-speculative point samples the left-to-right sampler exactly
+START = {"threshold": "one token per step", "entropy bound": "one token per step", "left-to-right bound": None,
+         "low-entropy bound": None, "self-speculative": "left-to-right bound 0"}
+
+
+def family_points(rows, model: str, family: str) -> list:
+    """A diffusion LM's points of one family, its START point first where it was measured."""
+    start = [r for r in rows if r["model"] == model and r["setting"] == START[family]]
+    return start + [r for r in rows if r["model"] == model and r["setting"].startswith(family)]
 
 
 def diffusion_settings(thresholds, bounds, ltr_bounds=(), low_entropy_bounds=()) -> list[tuple[str, dict]]:
@@ -109,15 +118,12 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
 
 
 def curve_aups(rows, y_max: float) -> dict:
-    """AUP of each curve: a diffusion LM's one-token-per-step point with its threshold points, with its
-    entropy-bound points, with its left-to-right points; its low-entropy points and its self-speculative
-    points alone (another order); AR alone; AR with its speculative point."""
+    """AUP of each curve: a diffusion LM's points of each family from its START (the one-token-per-step
+    point of its order); AR alone; AR with its speculative point."""
     out = {}
     for model in ("teacher", "student"):
-        base = [r for r in rows if r["model"] == model and r["setting"] == "one token per step"]
         for family in FAMILIES:
-            points = ([] if family in OWN_START else base) + [r for r in rows if r["model"] == model and
-                                                             r["setting"].startswith(family)]
+            points = family_points(rows, model, family)
             if len(points) > 1:
                 out[f"{model}, {family}"] = aup([(r["forwards_per_token"] ** -1, r["y"]) for r in points], y_max)
     ar = [r for r in rows if r["model"] == "ar"]
@@ -148,17 +154,15 @@ def plot_curve(rows, path):
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     families = {}
+    for model in ("teacher", "student"):
+        for family in FAMILIES:
+            points = family_points(rows, model, family)
+            if any(r["setting"].startswith(family) for r in points):
+                families[f"{model}, {family.split(' ')[0]}"] = points
     for r in rows:
-        family = f"{r['model']}, {r['setting'].split(' ')[0]}" if r["model"] in ("teacher", "student") else r["model"]
-        families.setdefault(family, []).append(r)
-    for r in rows:  # the one-token-per-step point starts both of its model's lines
-        if r["setting"] == "one token per step":
-            for family in (f"{r['model']}, {name.split(' ')[0]}" for name in FAMILIES if name not in OWN_START):
-                if family in families:
-                    families[family].insert(0, r)
+        if r["model"] not in ("teacher", "student"):
+            families.setdefault(r["model"], []).append(r)
     for family, points in families.items():
-        if family.endswith(", one"):
-            continue
         points = sorted(points, key=lambda r: r["forwards_per_token"], reverse=True)
         x = [1 / r["forwards_per_token"] for r in points]
         y = [r["gen_ppl"] for r in points]

@@ -138,6 +138,8 @@ def summarise(totals: dict, n_prompts: int) -> dict:
            "target_forwards_per_token": totals["target_forwards"] / totals["new_tokens"],
            "tau": totals["new_tokens"] / totals["target_forwards"]}
     row.update({key: totals[key] / n_prompts for key in MEANS if key in totals})
+    if "canvases" in totals:  # a batched forward's cost on a CPU (self_speculative.py)
+        row["canvases_per_token"] = totals["canvases"] / totals["new_tokens"]
     if "nodes" in totals:  # a tree's verify cost: nodes per round (alpha is not defined for trees)
         row["nodes_per_round"] = totals["nodes"] / totals["rounds"]
     if "hits" in totals:

@@ -55,7 +55,7 @@ def run_self_spec(models, prompt, args, generator, k):
     n = args.new_tokens
     ids, result = self_speculative_generate(models["distilled"], prompt, n, min(32, n), args.temperature,
                                             "left_to_right", k, generator=generator)
-    return chain_counts(ids, result)
+    return {**chain_counts(ids, result), "canvases": result.canvases}
 
 
 def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_round):

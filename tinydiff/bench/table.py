@@ -191,6 +191,8 @@ def print_table(rows: list[dict], c: float):
         if r.get("acceptance_by_slot"):
             slots = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_slot"])
             print(f"{r['method']}: accepted lengths {r['accepted_hist']} | acceptance by slot {slots}")
+        if "canvases_per_token" in r:
+            print(f"{r['method']}: {r['canvases_per_token']:.2f} canvases run per token (a batched forward is one forward)")
         if "nodes_per_round" in r:
             versus = f", {r['speedup_vs_dflash']:.2f}x dflash-b16's tokens/s" if "speedup_vs_dflash" in r else ""
             print(f"{r['method']}: {r['nodes_per_round']:.1f} tree nodes verified per target forward{versus}")
