@@ -56,8 +56,9 @@ AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
 # method -> checkpoint kinds it decodes (the AR family: a dense or MoE target, its experts float or FP4)
 METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": ("mdlm", "mdlm-moe")}
 DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
-DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise", "self_speculate",
-                   "cached", "no_animate", "routing", "route_threshold", "route_guard", "route_mask_vote")
+DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise",
+                   "self_speculate", "cached", "no_animate", "routing", "route_threshold", "route_guard",
+                   "route_mask_vote")
 # flag -> the methods that read it; a flag given to another method is an error, never ignored
 USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),

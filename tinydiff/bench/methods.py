@@ -214,7 +214,8 @@ def spec_hot(k: int) -> dict:
 def compiled_models(method: str, models: dict, args) -> dict | None:
     """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
-    samplers (no cache to make static), the self-speculative ones (batched canvases) and dMoE (routing has no fixed shapes), an ar-moe target included."""
+    samplers (no cache to make static), the self-speculative ones (batched canvases) and dMoE (routing
+    has no fixed shapes), an ar-moe target included."""
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
     mode = args.compile
