@@ -1,19 +1,19 @@
 """Spec: self-speculative sampling of a diffusion LM (tinydiff/self_speculative.py) is the cached
 one-token-per-step sampler in the same order, only with fewer forwards. At temperature 0 token
-for token (float64 models, both orders, shifted or not, any number of drafts); at temperature 1
+for token (float64 models, both orders, shifted or not, any number of drafts); at temperature 1.5
 its samples follow the exact joint of that sampler, enumerated with plain uncached forwards
-(chi-square with its power asserted, stats_helpers); the counts are the forwards and canvases
-the model really ran."""
+(chi-square with its power asserted, stats_helpers); a batched verify forward gives each canvas
+its own logits; the counts are the forwards and canvases the model really ran."""
 import pytest
 import torch
-from stats_helpers import assert_follows_the_joint, random_model
+from stats_helpers import assert_follows_the_joint, assert_same, random_model
 from stats_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.sampler import block_causal_mask, generate_cached, position_entropy
+from tinydiff.sampler import block_causal_mask, generate_cached, position_entropy, prefix_cached_logits
 from tinydiff.sampling import next_token_probs
-from tinydiff.self_speculative import self_speculative_generate
+from tinydiff.self_speculative import row_view, self_speculative_generate
 from tinydiff.tokenizer import MASK
 
 PROMPT = [50256, 464, 3797, 318]
@@ -41,6 +41,26 @@ def test_greedy_tokens_equal_the_one_token_per_step_sampler(peaked, order, draft
     if drafts == 1:  # the target's own step every round: generate_cached's forwards exactly
         assert stats.forwards == base.forwards == stats.canvases == 16
     assert stats.forwards <= base.forwards
+
+
+@torch.no_grad()
+def test_a_batch_of_canvases_reads_each_canvas_own_logits(peaked):
+    """The verify forward: S canvases that share a cached prefix, as one batch through row views of one
+    cache, give each canvas the block logits it gets alone (float64: rounding only)."""
+    P, lo, N = len(PROMPT), len(PROMPT) + 8, 8
+    canvases = torch.tensor(PROMPT + [7, 8, 9, 10, 11, 12, 13, 14] + [MASK] * N).repeat(3, 1)  # (3, L): block 2 open
+    canvases[1, lo] = 5
+    canvases[2, lo:lo + 3] = torch.tensor([5, 6, 40])
+    cache = peaked.new_cache(4)
+    first = row_view(cache, 1)
+    prefix_cached_logits(peaked, canvases[:1], first, lo, P, N)  # the prefix, then block 2 of canvas 0
+    for t in cache.k + cache.v:
+        t[1:, :, :first.length] = t[:1, :, :first.length]
+    cache.length = first.length
+    batched = prefix_cached_logits(peaked, canvases, row_view(cache, 3), lo, P, N)  # (3, N, V)
+    for i in range(3):
+        alone = prefix_cached_logits(peaked, canvases[i:i + 1], peaked.new_cache(1), lo, P, N)[0]
+        assert_same(batched[i], alone)
 
 
 def counting(model):
