@@ -31,27 +31,16 @@ draft state on an exact match of the target's own draw, where one chain gains mo
 Leviathan's rule), the confidence order (its position depends on the draws), thresholds.
 """
 import copy
-from dataclasses import dataclass
 
 import torch
 
 from tinydiff.errors import UserError
 from tinydiff.sampler import check_args, position_entropy, prefix_cached_logits
 from tinydiff.sampling import next_token_probs, residual, sample
-from tinydiff.tally import Speculated, Tally
+from tinydiff.tally import SelfSpeculated, Tally
 from tinydiff.tokenizer import MASK
 
 ORDERS = ("left_to_right", "low_entropy")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SelfSpeculated(Speculated):
-    canvases: int  # the canvases its forwards ran: a forward of S canvases costs a CPU about S
-    DERIVED = Speculated.DERIVED + ("canvases_per_token",)
-
-    @property
-    def canvases_per_token(self) -> float:
-        return self.canvases / self.new_tokens
 
 
 def ranked_open(logits, canvas_block, order: str, temperature: float):

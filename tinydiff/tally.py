@@ -3,9 +3,10 @@
 Every decoder returns (new ids, result). `Decoded` is what all of them report: AR decoding and the
 diffusion samplers. `Speculated` adds what a draft -> verify -> commit loop counts (speculative,
 DFlash, DDTree, EAGLE-3): `accepted` is gpt-fast's accept_counts, and tau and alpha are derived
-from the counts, never stored beside them. `SsdDecoded` adds what SSD's run-ahead counts. A loop
-counts with `Tally.add`, one call per round, and `Tally.result` makes its result. `row()` is the
-flat dict of a result for JSON and the stats line, derived numbers included.
+from the counts, never stored beside them. `SsdDecoded` adds what SSD's run-ahead counts, and
+`SelfSpeculated` the canvases a batched verify ran (self_speculative.py). A loop counts with
+`Tally.add`, one call per round, and `Tally.result` makes its result. `row()` is the flat dict of
+a result for JSON and the stats line, derived numbers included.
 """
 import time
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,17 @@ class SsdDecoded(Speculated):
     @property
     def modelled_speedup(self) -> float | None:
         return self.modelled_seconds_sd / self.modelled_seconds_ssd if self.modelled_seconds_ssd else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelfSpeculated(Speculated):
+    """self_speculative.py's loop: a batched verify forward counts once in `forwards`, its canvases here."""
+    canvases: int  # the canvases its forwards ran: a forward of S canvases costs a CPU about S
+    DERIVED = Speculated.DERIVED + ("canvases_per_token",)
+
+    @property
+    def canvases_per_token(self) -> float:
+        return self.canvases / self.new_tokens
 
 
 def acceptance_by_slot(kept: list, judged: list) -> list:

@@ -48,7 +48,7 @@ def quality_y(row: dict, reference: dict) -> float:
     return 100 * min(1.0, reference["gen_ppl"] / row["gen_ppl"], row["distinct_2"] / reference["distinct_2"])
 
 
-# a diffusion LM's curves after its first point
+# a diffusion LM's curves, each the rows whose setting starts with its name
 FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound", "self-speculative")
 # the point each family's line starts from: the confidence order's one token per step, or None for its own first
 # point (another order from the first step); a self-speculative point samples the left-to-right sampler exactly
