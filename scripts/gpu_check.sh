@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # gpu_check.sh [LOGDIR [BENCH ARGS...]]: the checks that need a CUDA GPU, logged to LOGDIR (default $OUT,
-# else ./gpu_logs). Arguments after LOGDIR go to step 3's bench, e.g. trained checkpoints:
-#   scripts/gpu_check.sh logs --ckpt out/ar-tiny/ckpt.pt --drafter out/dflash-tiny/ckpt.pt
+# else ./gpu_logs). Arguments after LOGDIR go to the benches of `tiny` models, e.g. trained checkpoints:
+#   scripts/gpu_check.sh logs --ckpt out/ar-tiny/ckpt.pt --draft out/ar-draft/ckpt.pt --drafter out/dflash-tiny/ckpt.pt
 #
+# In order (the most wanted first, since a short budget cuts the last):
 #   1. tests/test_kernels.py (each kernel against its reference), tests/test_kernel_paths.py (the
 #      model paths with and without the kernels) and tests/test_kernels_fp4.py (the MXFP4 expert
 #      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0);
-#   2. python -m tinydiff.kernels.bench --sweep: each kernel against its reference and the stock
-#      paths, and the Triton kernels at other tile sizes;
-#   3. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models, untrained unless given,
-#      at temperature 0 and 1
-#      (every method, the kernels in the model paths);
-#   4. the same bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
-#      dflash-b16 and ddtree-n32 on `tiny`, and ar on an untrained `13m`: tokens/s, compile seconds,
-#      per-round draft / verify seconds (spec rows);
-#   5. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp16 and
-#      --dtype bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped.
-# Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR or
-# ../shared/tiktoken-cache; without them step 3 is skipped). Each step has a time limit, so the
-# whole script ends within 17 minutes (about 12 when the steps pass); a step that fails or times out is reported and the others
-# still run. Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
+#   2. python -m tinydiff.kernels.bench $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
+#      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
+#      kernel at other tile sizes too, as the first GPU run did);
+#   3. the method bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
+#      dflash-b16 and ddtree-n32 on `tiny`: tokens/s, compile seconds, per-round draft / verify /
+#      host microseconds;
+#   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp16 and
+#      --dtype bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
+#   5. ar on an untrained `13m`, eager and compiled;
+#   6. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models at temperature 0 and 1 (every
+#      method, the kernels in the model paths), where the budget leaves time.
+# Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR,
+# ../shared/tiktoken-cache or ./shared/tiktoken-cache; without them the benches and training are
+# skipped). Each step has a time limit, and the whole script ends within GPU_CHECK_BUDGET seconds
+# (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
+# and a step with under 20 s left is skipped. A step that fails or times out is reported and the
+# others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
+# bench_eager bench_compile train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
+# Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
 LOGDIR="${1:-${OUT:-./gpu_logs}}"
@@ -28,11 +34,14 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 mkdir -p "$LOGDIR"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# A folder counts only if it holds r50k_base (tiktoken names the file by the sha1 of its URL): an
+# image may set TIKTOKEN_CACHE_DIR to a cache of other encodings.
+R50K=0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4
+FOUND=""
 for dir in "${TIKTOKEN_CACHE_DIR:-}" ../shared/tiktoken-cache ./shared/tiktoken-cache; do
-    if [ -n "$dir" ] && [ -d "$dir" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then
-        export TIKTOKEN_CACHE_DIR="$dir"; break
-    fi
+    if [ -n "$dir" ] && [ -f "$dir/$R50K" ]; then FOUND="$dir"; break; fi
 done
+if [ -n "$FOUND" ]; then export TIKTOKEN_CACHE_DIR="$FOUND"; else unset TIKTOKEN_CACHE_DIR; fi
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA GPU here: nothing to check (the kernels' CPU tests run under the interpreter in pytest)" \
@@ -44,15 +53,23 @@ fi
     date -u
     nvidia-smi 2>&1 || true
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    echo "TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-(none with r50k_base)}"
 } > "$LOGDIR/env.txt" 2>&1
 
 status=0
+BUDGET="${GPU_CHECK_BUDGET:-560}"
 : > "$LOGDIR/summary.txt"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the outcome
+step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the budget), log, record the outcome
     local name=$1 limit=$2; shift 2
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then return; fi
+    local left=$((BUDGET - SECONDS - 5))
+    if [ "$left" -lt 20 ]; then
+        printf '%-14s %-16s\n' "$name" "SKIPPED (budget)" | tee -a "$LOGDIR/summary.txt"; return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     local start=$SECONDS
     echo "== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" > "$LOGDIR/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" > "$LOGDIR/$name.log" 2>&1
     local rc=$?
     local verdict=ok
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="TIMED OUT"; status=1
@@ -63,40 +80,42 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernel_paths.py tests/test_kernels_fp4.py
-# The rows are written as they come (FlexAttention's, slow to compile, last): a timeout keeps them.
-step kernel_bench 240 "$PY" -m tinydiff.kernels.bench --sweep --json "$LOGDIR/kernel_bench.json"
-if [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
-    step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
-    step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \
-        --json "$LOGDIR/bench_t1.json" "$@"  # where users sample: acceptance by slot per row
-    COMPILED=ar,spec-k4,dflash-b16,ddtree-n32
-    step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 \
-        --json "$LOGDIR/bench_eager.json" "$@"
-    step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
-        --json "$LOGDIR/bench_compile.json" "$@"
-    M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
-    "$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.checkpoint import save_checkpoint
-c = preset('13m'); torch.manual_seed(0); save_checkpoint(sys.argv[1], kind='ar', config=c, model=Transformer(c))" "$M13"
-    step bench_13m_eager 60 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 \
-        --json "$LOGDIR/bench_13m_eager.json"
-    step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 --compile \
-        --json "$LOGDIR/bench_13m.json"
-else
-    echo "bench          SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
-        | tee -a "$LOGDIR/summary.txt"
-fi
+# The rows are written as they come: a timeout keeps them.
+# shellcheck disable=SC2086  # the arguments are words
+step kernel_bench 120 "$PY" -m tinydiff.kernels.bench ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
+    --json "$LOGDIR/kernel_bench.json"
 DATA=""
 for file in ../shared/data/tinystories-sample.txt ./shared/data/tinystories-sample.txt; do
     if [ -f "$file" ]; then DATA="$file"; break; fi
 done
-if [ -n "$DATA" ] && [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then
+if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
+    echo "benches      SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
+        | tee -a "$LOGDIR/summary.txt"
+    echo "logs in $LOGDIR"; exit $status
+fi
+COMPILED=ar,spec-k4,dflash-b16,ddtree-n32
+step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 \
+    --json "$LOGDIR/bench_eager.json" "$@"
+step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
+    --json "$LOGDIR/bench_compile.json" "$@"
+if [ -n "$DATA" ]; then
     for dtype in fp16 bf16; do
         rm -rf "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype"  # a fresh run each time, not a refused second one
-        step "train_$dtype" 45 "$PY" train.py --data "$DATA" --out "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype" --dtype "$dtype" \
+        step "train_$dtype" 60 "$PY" train.py --data "$DATA" --out "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype" --dtype "$dtype" \
             --max-steps 300 --eval-every 100 --ckpt-every 300 --cache-dir "${TMPDIR:-/tmp}/tinydiff-gpu-data"
     done
 else
-    echo "train          SKIPPED: no tinystories-sample.txt or tiktoken cache beside the repo" | tee -a "$LOGDIR/summary.txt"
+    echo "train          SKIPPED: no tinystories-sample.txt beside the repo" | tee -a "$LOGDIR/summary.txt"
 fi
+M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
+"$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.checkpoint import save_checkpoint
+c = preset('13m'); torch.manual_seed(0); save_checkpoint(sys.argv[1], kind='ar', config=c, model=Transformer(c))" "$M13"
+step bench_13m_eager 45 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 \
+    --json "$LOGDIR/bench_13m_eager.json"
+step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 --compile \
+    --json "$LOGDIR/bench_13m.json"
+step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
+step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \
+    --json "$LOGDIR/bench_t1.json" "$@"  # where users sample: acceptance by slot per row
 echo "logs in $LOGDIR"
 exit $status

@@ -170,6 +170,8 @@ def test_a_tree_holding_the_targets_path_gives_tau_equal_to_B(models64):
         assert out == expected
         assert stats.accepted == [0] * (B - 1) + [3] and stats.tau == B
         assert stats.draft_forwards == 3 and stats.forwards == 3 + (len(prompt) > 1)
+        assert 0 < stats.draft_seconds and 0 < stats.verify_seconds  # every round clocks both stages
+        assert stats.draft_seconds + stats.verify_seconds <= stats.seconds  # inside the timed loop
         assert branch_steps(rounds) > 0
         check_counts(out, stats, rounds, B, 32, len(prompt))
         oracle.reset(prompt)

@@ -245,6 +245,8 @@ def test_a_drafter_that_knows_the_targets_argmax_gives_tau_equal_to_B(models64):
         assert out == ar_generate(target, prompt, n, temperature=0, stop_token=None)[0]
         assert stats.accepted == [0] * (B - 1) + [3] and stats.tau == B and stats.alpha == 1
         assert stats.draft_forwards == 3 and stats.forwards == 3 + (len(prompt) > 1)
+        assert 0 < stats.draft_seconds and 0 < stats.verify_seconds  # every round clocks both stages
+        assert stats.draft_seconds + stats.verify_seconds <= stats.seconds  # inside the timed loop
         check_counts(out, stats, rounds, B, len(prompt))
 
 

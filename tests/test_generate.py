@@ -239,6 +239,9 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
         assert spec["alpha"] == pytest.approx(sum(spec["slot_kept"]) / sum(spec["slot_judged"]))  # kept / judged
         assert spec["tau"] == pytest.approx(1 / spec["target_forwards_per_token"])
         assert set(spec["us_per_round"]) == {"draft", "verify", "host"} and min(spec["us_per_round"].values()) > 0
+    for name in ("dflash-b16", "ddtree-n32"):  # the block and tree loops clock their rounds' stages too
+        assert set(rows[name]["us_per_round"]) == {"draft", "verify", "host"}
+        assert rows[name]["us_per_round"]["draft"] > 0 and rows[name]["us_per_round"]["verify"] > 0
     assert report["draft_target_cost_c"] > 0
     for name in ("dflash-b16-sched", "dflash-b16-reject-sched"):  # an untrained drafter is never 0.3 sure of a
         assert rows[name]["slot_judged"][0] > 0 and not any(rows[name]["slot_judged"][1:])  # token: one draft a round

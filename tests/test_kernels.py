@@ -334,9 +334,10 @@ def test_kernel_bench_checks_every_path_against_the_reference(tmp_path):
     x = torch.randn(4, 8, dtype=torch.float32)
     assert bench.agrees(x + 1e-3, x, tf32=True) and not bench.agrees(x + 1e-3, x, tf32=False)
     rows_file = tmp_path / "rows.json"
-    bench.main(["--kernels", "sampler,moe", "--reps", "1", "--json", str(rows_file)])
+    bench.main(["--kernels", "sampler,moe,moe-fp4", "--reps", "1", "--json", str(rows_file)])
     rows = json.loads(rows_file.read_text())["rows"]
-    assert {(r["kernel"], r["path"]) for r in rows} >= {("sampler", "reference"), ("moe", "reference")}
+    assert {(r["kernel"], r["path"]) for r in rows} >= {("sampler", "reference"), ("moe", "reference"),
+                                                        ("moe-fp4", "reference")}
     assert all(r["ok"] and r["ms"] > 0 for r in rows)
-    assert all((r["gpu_ms"] is None) == (not torch.cuda.is_available() or r["path"] in ("reference", "bmm")
-                                         and r["kernel"] == "moe") for r in rows)
+    assert all((r["gpu_ms"] is None) == (not torch.cuda.is_available()
+                                         or (r["kernel"], r["path"]) in bench.NOT_CAPTURABLE) for r in rows)

@@ -33,6 +33,7 @@ Leaves out: batches, a fused tree-attention kernel (SDPA reads the boolean mask)
 other drafter (the AR draft of speculative.py would need one forward per depth and per branch).
 """
 import heapq
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ from tinydiff.errors import UserError
 from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop
-from tinydiff.tally import Tally
+from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -263,15 +264,17 @@ def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budge
     tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
-        start = target_cache.length  # = len(seq) - 1, the root's position
+        start, t0 = target_cache.length, time.perf_counter()  # start = len(seq) - 1, the root's position
         if depth:
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
             tree = grow(logits, seq[-1], min(budget, context - len(seq)))  # S + N rows must fit the cache
         else:
             tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
         ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+        t1 = split_time(device)  # drafting: the drafter's forward, the tree grown and compiled
         logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
         path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
+        tally.clock(t0, t1, time.perf_counter())  # following the tree read the target's samples back
         tokens = tree.tokens[path].tolist() + [bonus]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens

@@ -31,6 +31,8 @@ with a trained confidence head, here the drafter's own probability of its draft 
 Leaves out: batches, draft trees (see ddtree.py), iterative refinement of the block.
 """
 
+import time
+
 import torch
 
 from tinydiff.ar import check_prompt
@@ -42,7 +44,7 @@ from tinydiff.markov_head import draft_left_to_right
 from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import cut_at_stop, verify
-from tinydiff.tally import Tally
+from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT, MASK
 
 def sample_and_match(p, drafts, generator=None, greedy=False):
@@ -164,15 +166,18 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+        t0 = time.perf_counter()
         if n_drafts:  # draft: ONE drafter forward for the block
             logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
             drafts, q, rows = draw(logits, warp_args, generator, drafter.markov, seq[-1])
             if min_confidence is not None:  # verify only the drafts the drafter is sure enough of
                 m = confident_prefix(rows, drafts, min_confidence)
                 drafts, q = drafts[:m], None if q is None else q[:m]
+        t1 = split_time(device)
         x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
         logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
         n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
+        tally.clock(t0, t1, time.perf_counter())  # judge's int() waited for the GPU
         tokens = drafts[:n].tolist() + [token]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens

@@ -28,7 +28,7 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, residual, sample
-from tinydiff.tally import Tally
+from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT
 
 
@@ -115,18 +115,15 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
     seq, out = list(prompt), []
     device = target.embed.weight.device
-    draft_seconds = verify_seconds = 0.0
     tally = Tally(k)
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
         t0 = time.perf_counter()
         drafts, q = propose(draft, draft_cache, seq, n_drafts, warp_args, generator)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # so the draft's queued work is not billed to the verify
-        t1 = time.perf_counter()
+        t1 = split_time(device)  # so the draft's queued work is not billed to the verify
         p = target_probs(target, target_cache, seq, drafts, warp_args)
         n, token = verify(p, q, drafts, generator)  # int(): waits for the GPU
-        draft_seconds, verify_seconds = draft_seconds + t1 - t0, verify_seconds + time.perf_counter() - t1
+        tally.clock(t0, t1, time.perf_counter())
         tokens = drafts[:n].tolist() + [token]
         tokens, stopped = cut_at_stop(tokens, stop_token)
         seq += tokens
@@ -139,7 +136,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, tally.result(out, device, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
+    return out, tally.result(out, device)
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:

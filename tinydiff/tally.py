@@ -41,7 +41,7 @@ class Speculated(Decoded):
     draft_forwards: int
     slot_judged: list  # slot_judged[j]: rounds that offered slot j+1 (a draft at depth j+1) with slots 1..j kept
     slot_kept: list  # slot_kept[j]: those of them that kept it
-    draft_seconds: float | None = None  # speculative_generate: time drafting, and verifying (forward + rule)
+    draft_seconds: float | None = None  # the chain loops (speculative, DFlash, DDTree): time drafting, and verifying
     verify_seconds: float | None = None
     DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
 
@@ -134,11 +134,16 @@ def acceptance_by_slot(kept: list, judged: list) -> list:
     return [k / n if n else None for k, n in zip(kept, judged)]
 
 
-def elapsed(start: float, device) -> float:
-    """Seconds since `start`, after waiting for the GPU, so they are the wall time of real work."""
+def split_time(device) -> float:
+    """time.perf_counter() after waiting for the GPU, so the work queued before is billed before it."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter()
+
+
+def elapsed(start: float, device) -> float:
+    """Seconds since `start`, after waiting for the GPU, so they are the wall time of real work."""
+    return split_time(device) - start
 
 
 @dataclass
@@ -155,6 +160,8 @@ class Tally:
     judged: list = field(init=False)  # per slot, see Speculated.slot_judged / slot_kept
     kept: list = field(init=False)
     start: float = field(init=False)
+    draft_seconds: float | None = None  # summed by `clock` where a loop times its rounds' stages
+    verify_seconds: float | None = None
 
     def __post_init__(self):
         self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
@@ -172,8 +179,14 @@ class Tally:
             self.judged[j] += 1
             self.kept[j] += j < accepted
 
+    def clock(self, round_start: float, drafted: float, verified: float):
+        """One round's stages, from split_time()s: drafting from round_start to drafted, verifying (the
+        target's forward and the acceptance rule) from drafted to verified. The rest is the loop's own."""
+        self.draft_seconds = (self.draft_seconds or 0.0) + drafted - round_start
+        self.verify_seconds = (self.verify_seconds or 0.0) + verified - drafted
+
     def result(self, out, device, kind=Speculated, **more) -> Speculated:
         return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
                     accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
                     draft_forwards=self.draft_forwards, slot_judged=list(self.judged), slot_kept=list(self.kept),
-                    **more)
+                    draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, **more)

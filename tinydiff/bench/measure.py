@@ -146,7 +146,7 @@ def summarise(totals: dict, n_prompts: int) -> dict:
         row["hit_rate"] = sum(totals["hits"]) / max(1, sum(totals["lookups"]))
         row["modelled_speedup_vs_spec"] = totals["modelled_seconds_sd"] / totals["modelled_seconds_ssd"]
     if "draft_seconds" in totals:  # the loop's own costs, for Leviathan's formula with real prices
-        row["seconds_per_draft"] = totals["draft_seconds"] / totals["proposed"]
+        row["seconds_per_draft"] = totals["draft_seconds"] / totals.get("proposed", totals.get("nodes"))
         row["seconds_per_verify"] = totals["verify_seconds"] / totals["target_forwards"]
         rounds = sum(totals["accepted"])  # per round: drafting, verifying, and the loop's own work around them
         row["us_per_round"] = {"draft": 1e6 * totals["draft_seconds"] / rounds,

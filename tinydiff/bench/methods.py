@@ -62,7 +62,7 @@ def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_ro
     """The draft proposes k tokens, the target verifies them in one forward."""
     ids, result = speculative_generate(models["target"], models[draft], prompt, args.new_tokens, k,
                                        args.temperature, generator=generator, stop_token=None, propose=propose)
-    return {**chain_counts(ids, result), "draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
+    return chain_counts(ids, result)
 
 
 def run_spec_fr(models, prompt, args, generator, k):
@@ -76,14 +76,21 @@ def chain_counts(ids, result):
     """What the bench sums for a chain-drafting method."""
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards,
             "accepted": result.accepted, "proposed": result.proposed, "rejected": result.rejected,
-            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept}
+            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept, **stage_seconds(result)}
+
+
+def stage_seconds(result):
+    """The seconds a loop that clocks its rounds (tally.Tally.clock) spent drafting and verifying."""
+    if result.draft_seconds is None:
+        return {}
+    return {"draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
 
 
 def tree_counts(ids, result):
     """What the bench sums for a tree-drafting method: nodes verified instead of drafts judged."""
     return {"new_tokens": len(ids), "nodes": result.proposed, "seconds": result.seconds,
             "target_forwards": result.forwards, "accepted": result.accepted, "rounds": result.rounds,
-            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept}
+            "slot_judged": result.slot_judged, "slot_kept": result.slot_kept, **stage_seconds(result)}
 
 
 def run_ssd(models, prompt, args, generator, fan_out, k=4):

@@ -1,6 +1,6 @@
 """`python -m tinydiff.kernels.bench`: each kernel against its reference and the best stock path.
 
-    python -m tinydiff.kernels.bench [--kernels attention,moe,sampler] [--dtypes float32,bfloat16] [--json PATH]
+    python -m tinydiff.kernels.bench [--kernels attention,moe,moe-fp4,sampler] [--dtypes float32,bfloat16] [--json PATH]
 
 Sizes are the project's: the 13m preset's attention (6 heads of 32) verifying DDTree trees of
 64, 128 and 256 nodes over a 256-token prefix, and the block-causal masks of the diffusion
@@ -13,6 +13,11 @@ Paths per kernel:
              changes every round), triton (float32: exact "ieee" products, and "tf32")
   moe        reference = MoEFeedForward's loop over experts, bmm = gather the used experts' weights
              and run padded batched matmuls (the best few-launch stock path), triton
+  moe-fp4    the same problems with MXFP4 experts: reference = dequantize, then the loop; grouped =
+             moe's triton kernel on the weights kept dequantized (in the row's dtype); dequant+grouped
+             = dequantize on every call, then that kernel; triton-fp4 = the kernel that reads the
+             packed nibbles and scales (GB/s counts 4.25 bits per weight for every path); on a GPU
+             also experts of 1024 x 2048, where the bytes read, not the launches, take the time
   sampler    reference = sampler.propose's float64 math, lse = argmax + logsumexp (no probability
              tensor; float32 at T = 0), triton
 Columns: ms (median time per call; on a GPU triton.testing.do_bench, L2 flushed between runs: at
@@ -38,7 +43,9 @@ from tinydiff.cli import add_device, make_parser
 from tinydiff.ddtree import build_tree, compile_tree
 from tinydiff.kernels import HAVE_TRITON
 from tinydiff.kernels.masked_attention import masked_attention_reference, masked_attention_triton
+from tinydiff.fp4 import Packed, bits_per_weight, quantize
 from tinydiff.kernels.moe_ffn import moe_ffn_reference, moe_ffn_triton
+from tinydiff.kernels.moe_ffn_fp4 import moe_ffn_fp4_reference, moe_ffn_fp4_triton
 from tinydiff.kernels.sampler_step import sampler_step_reference, sampler_step_triton
 from tinydiff.sampler import block_causal_mask
 from tinydiff.tokenizer import VOCAB_SIZE
@@ -156,9 +163,12 @@ def moe_bmm(x, weights, experts, gate_w, up_w, down_w):
     return torch.zeros_like(x).index_add_(0, (rows // k).flatten(), y.flatten(0, 1))
 
 
-def moe_cases(device, dtype, gpu, sweep=False):
+def moe_problems(device, dtype, large=False):
+    """The MoE cases both MoE kernels are timed on: the tiny and 13m presets' experts (32, top-3)
+    under block routing (one 32-token block, a 6-expert coreset) and token routing (32 and 256 tokens);
+    large: also experts of 1024 x 2048, where reading the weights, not launching, takes the time."""
     g = torch.Generator().manual_seed(1)
-    for preset, D, Fd in (("tiny", 128, 96), ("13m", 192, 128)):
+    for preset, D, Fd in (("tiny", 128, 96), ("13m", 192, 128)) + ((("1024x2048", 1024, 2048),) if large else ()):
         E, k = 32, 3
         gate_w, up_w = (torch.randn(E, Fd, D, generator=g).mul(D ** -0.5).to(device, dtype) for _ in range(2))
         down_w = torch.randn(E, D, Fd, generator=g).mul(Fd ** -0.5).to(device, dtype)
@@ -168,20 +178,52 @@ def moe_cases(device, dtype, gpu, sweep=False):
             weights = torch.rand(N, k, generator=g).softmax(-1).to(device)
             x = torch.randn(N, D, generator=g).to(device, dtype)
             used = int(experts.unique().numel())
-            size = x.element_size()
-            moved = 3 * used * Fd * D * size + 2 * N * D * size + N * k * 12  # used weights, x, out, routing
-            flops = 6 * N * k * D * Fd
-            args = (x, weights, experts, gate_w, up_w, down_w)
-            paths = {"reference": lambda a=args: moe_ffn_reference(*a)}
-            if gpu:
-                paths["bmm"] = lambda a=args: moe_bmm(*a)
-                for precision in PRECISIONS[dtype == torch.float32]:
-                    path = f"triton-{precision}" if dtype == torch.float32 else "triton"
-                    paths[path] = lambda a=args, p=precision: moe_ffn_triton(*a, precision=p)
-                for bm, bf, bk in ((16, 16, 32), (16, 32, 64), (32, 32, 32)) if sweep else ():
-                    paths[f"tiles {bm}/{bf}/{bk}"] = (lambda a=args, bm=bm, bf=bf, bk=bk:
-                                                      moe_ffn_triton(*a, block_m=bm, block_f=bf, block_k=bk))
-            yield f"{preset} {routing} N={N} experts={used}", paths, moved, flops
+            case = f"{preset} {routing} N={N} experts={used}"
+            yield case, (x, weights, experts, gate_w, up_w, down_w), used * Fd * D
+
+
+def moe_cases(device, dtype, gpu, sweep=False):
+    for case, args, used_weights in moe_problems(device, dtype):
+        x, weights, experts = args[:3]
+        (N, D), k = x.shape, experts.shape[1]
+        size = x.element_size()
+        moved = 3 * used_weights * size + 2 * N * D * size + N * k * 12  # used weights, x, out, routing
+        flops = 6 * N * k * D * args[3].shape[1]  # gate, up and down: 2 FLOPs per weight per (token, slot)
+        paths = {"reference": lambda a=args: moe_ffn_reference(*a)}
+        if gpu:
+            paths["bmm"] = lambda a=args: moe_bmm(*a)
+            for precision in PRECISIONS[dtype == torch.float32]:
+                path = f"triton-{precision}" if dtype == torch.float32 else "triton"
+                paths[path] = lambda a=args, p=precision: moe_ffn_triton(*a, precision=p)
+            for bm, bf, bk in ((16, 16, 32), (16, 32, 64), (32, 32, 32)) if sweep else ():
+                paths[f"tiles {bm}/{bf}/{bk}"] = (lambda a=args, bm=bm, bf=bf, bk=bk:
+                                                  moe_ffn_triton(*a, block_m=bm, block_f=bf, block_k=bk))
+        yield case, paths, moved, flops
+
+
+def moe_fp4_cases(device, dtype, gpu, sweep=False):
+    """The same problems with MXFP4 experts: the packed kernel against the grouped kernel of moe_cases
+    reading the same weights dequantized into dtype (what a model without FP4 keeps), and against
+    dequantizing on every call first. bytes count the packed weights (4.25 bits each)."""
+    for case, args, used_weights in moe_problems(device, dtype, large=gpu):
+        x, weights, experts = args[:3]
+        (N, D), k = x.shape, experts.shape[1]
+        packed = [quantize(w.float()) for w in args[3:]]
+        dense = tuple(p.dequantize(dtype) for p in packed)
+        size = x.element_size()
+        moved = 3 * used_weights * bits_per_weight("mxfp4") / 8 + 2 * N * D * size + N * k * 12
+        flops = 6 * N * k * D * args[3].shape[1]
+        fp4_args = (x, weights, experts, *packed)
+        paths = {"reference": lambda a=fp4_args: moe_ffn_fp4_reference(*a)}
+        if gpu:
+            paths["grouped"] = lambda a=(x, weights, experts, *dense): moe_ffn_triton(*a)
+            paths["dequant+grouped"] = lambda a=(x, weights, experts), p=packed: moe_ffn_triton(
+                *a, *(w.dequantize(dtype) for w in p))
+            paths["triton-fp4"] = lambda a=fp4_args: moe_ffn_fp4_triton(*a)
+            for bm, bn, bf, bk in ((16, 128, 32, 32), (16, 64, 64, 64), (32, 128, 64, 32)) if sweep and D >= 1024 else ():
+                paths[f"tiles {bm}/{bn}/{bf}/{bk}"] = (lambda a=fp4_args, bm=bm, bn=bn, bf=bf, bk=bk: moe_ffn_fp4_triton(
+                    *a, block_m=bm, block_n=bn, block_fh=bf, block_kh=bk))
+        yield case, paths, int(moved), flops
 
 
 def sampler_lse(logits, temperature, uniforms=None):
@@ -216,7 +258,7 @@ def sampler_cases(device, dtype, gpu, sweep=False):
         yield f"N={N} V={V} T={temperature:g}", paths, moved, 0
 
 
-KERNELS = {"attention": attention_cases, "moe": moe_cases, "sampler": sampler_cases}
+KERNELS = {"attention": attention_cases, "moe": moe_cases, "moe-fp4": moe_fp4_cases, "sampler": sampler_cases}
 
 
 def agrees(out, want, tf32: bool) -> bool:
@@ -230,7 +272,9 @@ HEADER = (f"{'dtype':<8} {'kernel':<9} {'case':<34} {'path':<16} {'ms':>8} {'gpu
           f"{'TFLOP/s':>8} {'floor_ms':>9} {'of_floor':>8}  ok")
 # Paths that read a result back to the host (to size a tensor, or to loop over the experts present)
 # cannot be captured in a CUDA graph; FlexAttention's block mask is built by compiled code outside one.
-NOT_CAPTURABLE = {("moe", "reference"), ("moe", "bmm"), ("attention", "flex")}
+# Dequantizing copies E2M1's value table to the GPU, which a capture forbids.
+NOT_CAPTURABLE = {("moe", "reference"), ("moe", "bmm"), ("moe-fp4", "reference"), ("moe-fp4", "dequant+grouped"),
+                  ("attention", "flex")}
 
 
 def measure(row, fn, want, moved, flops, peaks, args, rows) -> None:
@@ -298,7 +342,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 100 on a GPU, 3 on CPU)")
     p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
     p.add_argument("--sweep", action="store_true", help="also time the Triton kernels at other tile sizes "
-                   "(attention: block_t x block_s; moe: block_m/block_f/block_k; sampler: block_v/split)")
+                   "(attention: block_t x block_s; moe: block_m/block_f/block_k; moe-fp4, its large experts: "
+                   "block_m/block_n/block_fh/block_kh; sampler: block_v/split)")
     p.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (it compiles for minutes)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     args = p.parse_args(argv)

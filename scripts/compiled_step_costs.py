@@ -1,0 +1,111 @@
+"""Where one compiled AR decoding step's time goes: the captured graph, the wrapper, the sampling.
+
+    python scripts/compiled_step_costs.py [--ckpt CKPT | --preset tiny] [--calls 200] [--device cuda]
+
+Times, per token, each layer of what `python -m tinydiff.bench --compile` runs for `ar`, each
+averaged over --calls back-to-back calls at a fixed cache length (the cache is cropped back after
+each call, so every call has the same shape):
+  replay   the compiled static_forward alone (on CUDA: the CUDA-graph replay), host wall time;
+  gpu      the same calls measured by CUDA events: the device's own time (CUDA only);
+  call     StaticModel.__call__ around it (positions, copies out of the graph's pool, cache length);
+  token    call + next_token_probs + sample + int(): one step of ar_generate's loop;
+  eager    the same token with the plain model (the readable reference the compiled step replaces).
+The differences say what to cut next: token - call is the sampling, call - replay the wrapper.
+An untrained model of the preset has the same costs as a trained one.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from tinydiff.compiled import StaticModel
+from tinydiff.kinds import load_model
+from tinydiff.model import Transformer, preset
+from tinydiff.sampling import next_token_probs, sample
+
+
+def per_call_us(fn, calls: int, device) -> float:
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def gpu_us(fn, calls: int) -> float:
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * begin.elapsed_time(end) / calls
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", help="an ar checkpoint (default: an untrained model of --preset)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--prompt-tokens", type=int, default=16, help="cache length every timed call sees")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if args.ckpt:
+        model = load_model(args.ckpt, device, kinds=("ar",))[0]
+    else:
+        torch.manual_seed(0)
+        model = Transformer(preset(args.preset)).to(device)
+    model.eval()
+    static = StaticModel(model, hot=(1,))
+    prompt = torch.arange(args.prompt_tokens, device=device)[None]  # (1, P)
+    x = prompt[:, -1:]  # (1, 1): the token each timed call reads
+    rows = torch.arange(args.prompt_tokens - 1, args.prompt_tokens, device=device)
+
+    with torch.no_grad():
+        cache = static.new_cache(1)
+        static(prompt[:, :-1], cache=cache, causal=True)  # the prefill, eager (not a hot shape)
+        length = cache.length
+        mask = None
+
+        def replay():
+            torch.compiler.cudagraph_mark_step_begin()
+            return static.step.compiled(cache, x.clone(), rows.clone(), rows.clone(), mask)
+
+        def call():
+            out = static(x, cache=cache, causal=True)
+            cache.crop(length)
+            return out
+
+        def token(model_, cache_):
+            logits = model_(x, cache=cache_, causal=True)[:, -1]  # (1, V)
+            cache_.crop(length)
+            return int(sample(next_token_probs(logits, 0.0, None, None)))
+
+        eager_cache = model.new_cache(1)
+        model(prompt[:, :-1], cache=eager_cache, causal=True)
+        call()  # compiles the hot shape once, outside the timing
+        rows_out = {"replay": per_call_us(replay, args.calls, device)}
+        if device.type == "cuda":
+            rows_out["gpu"] = gpu_us(replay, args.calls)
+        rows_out["call"] = per_call_us(call, args.calls, device)
+        rows_out["token"] = per_call_us(lambda: token(static, cache), args.calls, device)
+        rows_out["eager"] = per_call_us(lambda: token(model, eager_cache), args.calls, device)
+    name = args.ckpt or f"untrained {args.preset}"
+    print(f"{name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{args.calls} calls at cache length {length}")
+    for key, us in rows_out.items():
+        print(f"{key:<8}{us:9.1f} us  ({1e6 / us:8.0f} per second)")
+
+
+if __name__ == "__main__":
+    main()
