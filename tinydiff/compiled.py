@@ -241,10 +241,12 @@ class StaticModel(Wrapped):
             mask = full
         with kernels_enabled(False):
             out = self.step(T, (T, mask is None), cache, idx, pos, rows, mask)
-        logits, hidden = detach_outputs(out, device)
+        logits, hidden = out
+        wanted = [] if hidden_layers is None else [hidden[i] for i in hidden_layers]
+        logits, wanted = detach_outputs((logits, wanted), device)  # copies only what the caller reads
         cache.advance(T)
         logits = logits[:, head_from:]
-        return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
+        return logits if hidden_layers is None else (logits, wanted)
 
 
 class StaticDrafter(Wrapped):

@@ -220,7 +220,7 @@ def moe_fp4_cases(device, dtype, gpu, sweep=False):
             paths["dequant+grouped"] = lambda a=(x, weights, experts), p=packed: moe_ffn_triton(
                 *a, *(w.dequantize(dtype) for w in p))
             paths["triton-fp4"] = lambda a=fp4_args: moe_ffn_fp4_triton(*a)
-            for bm, bn, bf, bk in ((16, 128, 32, 32), (16, 64, 64, 64), (32, 128, 64, 32)) if sweep and D >= 1024 else ():
+            for bm, bn, bf, bk in ((16, 128, 32, 32), (16, 64, 64, 64), (32, 128, 64, 32)) if sweep else ():
                 paths[f"tiles {bm}/{bn}/{bf}/{bk}"] = (lambda a=fp4_args, bm=bm, bn=bn, bf=bf, bk=bk: moe_ffn_fp4_triton(
                     *a, block_m=bm, block_n=bn, block_fh=bf, block_kh=bk))
         yield case, paths, int(moved), flops
@@ -342,7 +342,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 100 on a GPU, 3 on CPU)")
     p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
     p.add_argument("--sweep", action="store_true", help="also time the Triton kernels at other tile sizes "
-                   "(attention: block_t x block_s; moe: block_m/block_f/block_k; moe-fp4, its large experts: "
+                   "(attention: block_t x block_s; moe: block_m/block_f/block_k; moe-fp4: "
                    "block_m/block_n/block_fh/block_kh; sampler: block_v/split)")
     p.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (it compiles for minutes)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
