@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from tinydiff.compiled import StaticModel
+from tinydiff.kernels import kernels_enabled
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.sampling import next_token_probs, sample
@@ -77,9 +78,10 @@ def main():
         length = cache.length
         mask = None
 
-        def replay():
+        def replay():  # what StaticModel.__call__ runs inside, kernels off as there
             torch.compiler.cudagraph_mark_step_begin()
-            return static.step.compiled(cache, x.clone(), rows.clone(), rows.clone(), mask)
+            with kernels_enabled(False):
+                return static.step.compiled(cache, x.clone(), rows.clone(), rows.clone(), mask)
 
         def call():
             out = static(x, cache=cache, causal=True)

@@ -54,7 +54,7 @@ def test_fp4_kernel_matches_dequantize_then_reference_with_empty_experts(dtype, 
 
 def test_fp4_kernel_with_a_block_wider_than_a_chunk_and_an_expert_over_several_tiles():
     inputs = fp4_inputs(N=37, D=64, Fd=128, E=3, k=1, used=[1], dtype=torch.float32, block_size=64, seed=1)
-    check(inputs, block_m=16)  # 37 rows: 3 tiles of one expert; a 64-value block spans two 16-byte chunks
+    check(inputs, block_m=16, block_kh=16)  # 37 rows: 3 tiles of one expert; a 64-value block spans two 16-byte chunks
     x, w, e, *packed = inputs
     assert torch.equal(fk.moe_ffn_fp4_triton(x[:0], w[:0], e[:0], *packed), x[:0])
 
