@@ -24,7 +24,7 @@ from table_models import Oracle, TableTarget
 from tinydiff.ar import ar_generate
 from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, default_decay, dflash_loss, draft_block,
                              drafter_from, feature_layers, packed_logits, sample_anchors, training_mask)
-from tinydiff.dflash_decode import dflash_generate
+from tinydiff.dflash_decode import dflash_generate, greedy_match
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
@@ -54,6 +54,26 @@ def models():
 @pytest.fixture(scope="module")
 def models64(models):  # the same in float64: tests that compare two code paths hold them to float64 rounding
     return float64(*models)
+
+
+def test_greedy_match_is_the_position_by_position_rule():
+    # The reference: walk the positions, keep each draft that is the target's argmax, stop at the first
+    # that is not (or past the last draft) and commit the target's argmax there. Ties in p: the first max.
+    def walk(p, drafts):
+        for i in range(len(drafts) + 1):
+            y = int(p[i].argmax())
+            if i == len(drafts) or y != int(drafts[i]):
+                return i, y
+
+    g = torch.Generator().manual_seed(0)
+    for K in (0, 1, 3, 15):
+        for trial in range(40):
+            p = torch.randint(0, 3, (K + 1, 6), generator=g).double()  # ties on purpose
+            drafts = p.argmax(-1)[:K].clone()
+            if K and trial % 4:  # break the chain at a random slot, or leave every draft right
+                j = int(torch.randint(0, K, (1,), generator=g))
+                drafts[j] = (drafts[j] + 1 + int(torch.randint(0, 5, (1,), generator=g))) % 6
+            assert greedy_match(p, drafts) == walk(p, drafts)
 
 
 def test_feature_layer_rule():

@@ -25,6 +25,18 @@ def test_a_new_run_is_the_defaults_with_the_flags_given():
         {k: v for k, v in migrate({}, "x").items() if k not in ("lr", "min_lr", "preset")}
 
 
+def test_a_new_runs_length_is_its_presets_unless_given():
+    # 13m, a GPU's default: about an hour on a free T4; every other run (a CPU's tiny, a borrowed shape) 5,000 x 32
+    assert {k: new_run(train.parse_args([]), preset="13m")[k] for k in ("max_steps", "batch_size")} == \
+        {"max_steps": 30000, "batch_size": 64}
+    assert {k: new_run(train.parse_args([]), preset="tiny")[k] for k in ("max_steps", "batch_size")} == \
+        {"max_steps": 5000, "batch_size": 32}
+    run = new_run(train.parse_args(["--max-steps", "7", "--batch-size", "3"]), preset="13m")
+    assert (run["max_steps"], run["batch_size"]) == (7, 3)
+    run = new_run(train.parse_args(["--init", "x.pt"]), preset="13m")  # the shape is the checkpoint's
+    assert run["preset"] is None and (run["max_steps"], run["batch_size"]) == (5000, 32)
+
+
 @pytest.mark.parametrize("setting, value, message", [
     ("max_steps", 0, "--max-steps must be an integer >= 1"), ("batch_size", -1, "--batch-size must be an integer >= 1"),
     ("lr", math.nan, "--lr must be a finite number"), ("grad_clip", -1.0, "--grad-clip must be a finite"),

@@ -47,6 +47,7 @@ from tinydiff.speculative import cut_at_stop, verify
 from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT, MASK
 
+
 def sample_and_match(p, drafts, generator=None, greedy=False):
     """p (K+1, V) the target's warped distributions, drafts (K,) -> (n, token).
 
@@ -54,10 +55,21 @@ def sample_and_match(p, drafts, generator=None, greedy=False):
     `token` = y_n, the target's own sample after the accepted prefix. Draws stop at the first
     mismatch (later ones would be thrown away). greedy: p is one-hot, so its sample is its argmax.
     """
+    if greedy:
+        return greedy_match(p, drafts)
     for i in range(len(drafts) + 1):
-        y = int(p[i].argmax()) if greedy else int(sample(p[i], generator))
+        y = int(sample(p[i], generator))
         if i == len(drafts) or y != int(drafts[i]):
             return i, y
+
+
+def greedy_match(p, drafts):
+    """sample_and_match at temperature 0, every position at once: the target's argmax at each, the
+    drafts kept up to the first that differs. One read-back of the GPU, not two per position."""
+    y = p.argmax(-1)  # (K+1,)
+    kept = (y[:-1] == drafts).cumprod(0).sum()  # () drafts before the first mismatch
+    n, token = torch.stack([kept, y[kept]]).tolist()
+    return n, token
 
 
 def argmax_drafts(logits, warp_args, generator=None, markov=None, first_token=None):

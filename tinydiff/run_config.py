@@ -30,6 +30,11 @@ GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate
           "moe": "mixture of experts (mdlm-moe; ar-moe: token routing only)"}
 
 
+# A new run's length when --max-steps / --batch-size are not given. The 13m preset (a GPU's default) trains
+# about an hour on a free T4 in fp16, about one pass over TinyStories: an estimate until someone runs it
+# (docs/LOG.md, "Sizing the free-GPU run"). Every other run, a CPU's included: 5,000 steps of 32 windows.
+RUN_LENGTH = {"13m": {"max_steps": 30000, "batch_size": 64}, None: {"max_steps": 5000, "batch_size": 32}}
+
 CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
 MIN_RATE = Rule(lo=0, hi=10)
 CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
@@ -58,8 +63,8 @@ class RunConfig:
     preset: str | None = setting(None, "model size (default: 13m on CUDA, tiny on CPU)", choices=sorted(PRESETS))
     context: int | None = setting(None, "override the preset's context length (tokens per window)", type=CONTEXT)
     data: str | None = setting(None, "TinyStories-train.txt-format file (default: download from Hugging Face)")
-    max_steps: int = setting(5000, "optimizer steps", type=COUNT)
-    batch_size: int = setting(32, "windows per step", type=BATCH)
+    max_steps: int | None = setting(None, "optimizer steps (default: 30000 for a 13m model, else 5000)", type=COUNT)
+    batch_size: int | None = setting(None, "windows per step (default: 64 for a 13m model, else 32)", type=BATCH)
     lr: float = setting(3e-3, "peak learning rate", type=RATE)
     min_lr: float | None = setting(None, "final learning rate of the cosine (default lr / 10)", type=MIN_RATE)
     warmup: int = setting(100, "linear warmup steps (0: none)", type=COUNT_OR_NONE)
@@ -166,6 +171,8 @@ def new_run(args: argparse.Namespace, preset: str) -> dict:
     borrowed = run["init"] or run["distill"] or run["model"] in DRAFTERS  # the shape is another model's
     run["preset"] = None if borrowed else run["preset"] or preset
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
+    for key, value in RUN_LENGTH.get(run["preset"], RUN_LENGTH[None]).items():
+        run[key] = value if run[key] is None else run[key]
     return run
 
 
@@ -177,4 +184,4 @@ def migrate(stored: dict, path) -> dict:
         raise UserError(f"{path} holds run settings this code does not know ({', '.join(unknown)}); it was "
                         "written by another version of tinydiff")
     defaults = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
-    return asdict(RunConfig(**{**defaults, **stored}))
+    return asdict(RunConfig(**{**defaults, **RUN_LENGTH[None], **stored}))  # the length every run had then

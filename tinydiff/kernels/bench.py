@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 from tinydiff.cli import add_device, make_parser
 from tinydiff.ddtree import build_tree, compile_tree
+from tinydiff.fp4 import bits_per_weight, quantize
 from tinydiff.kernels import HAVE_TRITON
 from tinydiff.kernels.masked_attention import masked_attention_reference, masked_attention_triton
-from tinydiff.fp4 import Packed, bits_per_weight, quantize
 from tinydiff.kernels.moe_ffn import moe_ffn_reference, moe_ffn_triton
 from tinydiff.kernels.moe_ffn_fp4 import moe_ffn_fp4_reference, moe_ffn_fp4_triton
 from tinydiff.kernels.sampler_step import sampler_step_reference, sampler_step_triton
@@ -220,9 +220,10 @@ def moe_fp4_cases(device, dtype, gpu, sweep=False):
             paths["dequant+grouped"] = lambda a=(x, weights, experts), p=packed: moe_ffn_triton(
                 *a, *(w.dequantize(dtype) for w in p))
             paths["triton-fp4"] = lambda a=fp4_args: moe_ffn_fp4_triton(*a)
-            for bm, bn, bf, bk in ((16, 128, 32, 32), (16, 64, 64, 64), (32, 128, 64, 32)) if sweep else ():
-                paths[f"tiles {bm}/{bn}/{bf}/{bk}"] = (lambda a=fp4_args, bm=bm, bn=bn, bf=bf, bk=bk: moe_ffn_fp4_triton(
-                    *a, block_m=bm, block_n=bn, block_fh=bf, block_kh=bk))
+            for bm, bn, bf, bk in ((16, 64, 16, 16), (16, 128, 32, 32), (16, 64, 64, 64)) if sweep else ():
+                paths[f"tiles {bm}/{bn}/{bf}/{bk}"] = (lambda a=fp4_args, bm=bm, bn=bn, bf=bf, bk=bk:
+                                                       moe_ffn_fp4_triton(*a, block_m=bm, block_n=bn,
+                                                                          block_fh=bf, block_kh=bk))
         yield case, paths, int(moved), flops
 
 
