@@ -15,7 +15,6 @@ An untrained model of the preset has the same costs as a trained one.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,19 +26,16 @@ from tinydiff.kernels import kernels_enabled
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.sampling import next_token_probs, sample
+from tinydiff.tally import split_time
 
 
 def per_call_us(fn, calls: int, device) -> float:
     for _ in range(3):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = split_time(device)
     for _ in range(calls):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / calls
+    return 1e6 * (split_time(device) - start) / calls
 
 
 def gpu_us(fn, calls: int) -> float:

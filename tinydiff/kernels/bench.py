@@ -182,13 +182,17 @@ def moe_problems(device, dtype, large=False):
             yield case, (x, weights, experts, gate_w, up_w, down_w), used * Fd * D
 
 
+def moe_traffic(args, used_weights: int, weight_bytes: float) -> tuple[int, int]:
+    """(bytes a perfect kernel moves, useful FLOPs) of one MoE problem: the used experts' weights at
+    weight_bytes each, x and out, the routing; gate, up and down, 2 FLOPs per weight per (token, slot)."""
+    x, experts, gate_w = args[0], args[2], args[3]
+    (N, D), k, size = x.shape, experts.shape[1], x.element_size()
+    return int(3 * used_weights * weight_bytes + 2 * N * D * size + N * k * 12), 6 * N * k * D * gate_w.shape[1]
+
+
 def moe_cases(device, dtype, gpu, sweep=False):
     for case, args, used_weights in moe_problems(device, dtype):
-        x, weights, experts = args[:3]
-        (N, D), k = x.shape, experts.shape[1]
-        size = x.element_size()
-        moved = 3 * used_weights * size + 2 * N * D * size + N * k * 12  # used weights, x, out, routing
-        flops = 6 * N * k * D * args[3].shape[1]  # gate, up and down: 2 FLOPs per weight per (token, slot)
+        moved, flops = moe_traffic(args, used_weights, args[0].element_size())
         paths = {"reference": lambda a=args: moe_ffn_reference(*a)}
         if gpu:
             paths["bmm"] = lambda a=args: moe_bmm(*a)
@@ -207,12 +211,9 @@ def moe_fp4_cases(device, dtype, gpu, sweep=False):
     dequantizing on every call first. bytes count the packed weights (4.25 bits each)."""
     for case, args, used_weights in moe_problems(device, dtype, large=gpu):
         x, weights, experts = args[:3]
-        (N, D), k = x.shape, experts.shape[1]
         packed = [quantize(w.float()) for w in args[3:]]
         dense = tuple(p.dequantize(dtype) for p in packed)
-        size = x.element_size()
-        moved = 3 * used_weights * bits_per_weight("mxfp4") / 8 + 2 * N * D * size + N * k * 12
-        flops = 6 * N * k * D * args[3].shape[1]
+        moved, flops = moe_traffic(args, used_weights, bits_per_weight("mxfp4") / 8)
         fp4_args = (x, weights, experts, *packed)
         paths = {"reference": lambda a=fp4_args: moe_ffn_fp4_reference(*a)}
         if gpu:
@@ -224,7 +225,7 @@ def moe_fp4_cases(device, dtype, gpu, sweep=False):
                 paths[f"tiles {bm}/{bn}/{bf}/{bk}"] = (lambda a=fp4_args, bm=bm, bn=bn, bf=bf, bk=bk:
                                                        moe_ffn_fp4_triton(*a, block_m=bm, block_n=bn,
                                                                           block_fh=bf, block_kh=bk))
-        yield case, paths, int(moved), flops
+        yield case, paths, moved, flops
 
 
 def sampler_lse(logits, temperature, uniforms=None):
