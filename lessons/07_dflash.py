@@ -2,8 +2,8 @@
 
 Run: python lessons/07_dflash.py [--quick]
 Read next: lessons/08_ddtree.py; for this lesson's code tinydiff/dflash.py (drafter, training loss),
-tinydiff/dflash_decode.py (the loop), tests/test_dflash.py (the proof that it is lossless and
-trains on what it sees).
+tinydiff/dflash_decode.py (the loop), tests/test_dflash_decode.py (the proof that it is lossless)
+and tests/test_dflash.py (that it trains on what it sees).
 
 Lesson 06's draft guesses K tokens with K forwards of a small AR model, one after another. DFlash
 ("Block Diffusion for Flash Speculative Decoding", 2026) drafts the whole block at once: a small

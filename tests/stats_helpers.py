@@ -1,4 +1,4 @@
-"""Shared helpers for the speculative-decoding tests (test_speculative, test_ssd, test_dflash,
+"""Shared helpers for the speculative-decoding tests (test_speculative, test_ssd, test_dflash_decode,
 test_ddtree): random models and drafters, on_round recorders, the chi-square quantile and power
 approximations, and the exact joint of a tiny vocabulary's continuations and their binning. The
 table-lookup test doubles are in table_models.py. Not a test file: the tests import from it.
@@ -130,7 +130,7 @@ def recorded_run(generate, target, drafter, prompt, n, oracle=None, on_round=Non
 
 
 def check_block_counts(out, stats, rounds, B, prompt_length):
-    """test_dflash's and test_ddtree's common stats checks: the stats agree with each other and with
+    """test_dflash_decode's and test_ddtree's common stats checks: the stats agree with each other and with
     the rounds (histogram, tokens, forwards, alpha) and tau never exceeds B."""
     assert len(stats.accepted) == B and sum(stats.accepted) == stats.rounds == len(rounds)
     assert [t for r in rounds for t in r["tokens"]] == out and stats.new_tokens == len(out)
@@ -169,7 +169,7 @@ def assert_caches_equal(*pairs):
 # Distribution: at temperature > 0 the committed tokens must follow the target's joint exactly.
 V, NEW, PROMPT = 6, 3, [1, 2]      # 6^3 = 216 possible continuations of a 2-token prompt
 DIST_CONFIG = ModelConfig(vocab_size=V, context=8, n_layer=1, n_head=2, d_model=16, d_ff=32)
-# test_dflash's and test_ddtree's target: two layers (its feature layer is [1]).
+# test_dflash_decode's and test_ddtree's target: two layers (its feature layer is [1]).
 DFLASH_DIST_CONFIG = ModelConfig(vocab_size=V, context=8, n_layer=2, n_head=2, d_model=16, d_ff=32)
 Z_ALPHA = 3.090232306167813        # standard normal 0.999 quantile: fail at significance 1e-3
 DELTA, POWER = 0.02, 0.9           # catch one continuation off by DELTA at least POWER of the time

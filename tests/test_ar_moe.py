@@ -195,7 +195,7 @@ def test_every_speculative_method_decodes_the_targets_greedy_text(models64, whic
 
 @torch.no_grad()
 def test_dflash_samples_the_fp4_targets_exact_joint():
-    """test_dflash's distribution test (V = 6, 3 new tokens, chi-square at significance 1e-3 with its
+    """test_dflash_decode's distribution test (V = 6, 3 new tokens, chi-square at significance 1e-3 with its
     power asserted) on the FP4 version of a random ar-moe, drafted for by a drafter built around the
     float model: the committed tokens follow the FP4 target's joint, not the float one's."""
     shape = {**asdict(DFLASH_DIST_CONFIG), "d_model": 32, "d_ff": 64}

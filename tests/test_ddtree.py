@@ -258,8 +258,8 @@ def test_bad_input_is_a_clear_error(models):
 
 
 # ---------------------------------------------------------------- distribution at temperature > 0
-# test_dflash's design: V = 6, 3 new tokens after a 2-token prompt, chi-square against the enumerated
-# joint at significance 1e-3, power asserted from the joint. The target is test_dflash's (two layers,
+# test_dflash_decode's design: V = 6, 3 new tokens after a 2-token prompt, chi-square against the enumerated
+# joint at significance 1e-3, power asserted from the joint. The target is test_dflash_decode's (two layers,
 # small embeddings: a flat joint), read through a table that also answers tree-masked forwards
 # (TreeTableTarget in table_models).
 
