@@ -4,6 +4,8 @@
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --threshold 0.9
     python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --cached --entropy-bound 1
     python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --temperature 1 --self-speculate 2
+    python generate.py --ckpt out/mdlm-distilled/ckpt.pt --prompt "Tom had a dog" --temperature 1 --self-speculate 8 \
+        --draft out/ar-student-draft/ckpt.pt
     python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Tom had a dog" --temperature 0 --json
     python generate.py --ckpt out/ar-tiny/ckpt.pt --method spec --draft out/ar-draft/ckpt.pt --k 4 \
         --prompt "Tom had a dog"
@@ -42,10 +44,11 @@ from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
 from tinydiff.dflash_decode import RULES, dflash_generate
 from tinydiff.dmoe import MOE_KINDS, moe_stats, reset_stats, routing_from_flags
+from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
-from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.self_speculative import ORDERS, self_speculative_generate
 from tinydiff.speculative import speculative_generate
@@ -54,13 +57,13 @@ from tinydiff.tokenizer import EOT, Tokenizer
 
 AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
 # method -> checkpoint kinds it decodes (the AR family: a dense or MoE target, its experts float or FP4)
-METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": ("mdlm", "mdlm-moe")}
+METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": DIFFUSION_KINDS}
 DRAFTER_KINDS = {"dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}  # method -> its --drafter's kind
 DIFFUSION_FLAGS = ("gen_length", "steps", "block_length", "remasking", "threshold", "entropy_bound", "revise",
                    "self_speculate", "cached", "no_animate", "routing", "route_threshold", "route_guard",
                    "route_mask_vote")
 # flag -> the methods that read it; a flag given to another method is an error, never ignored
-USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd"),
+USED_BY = {"max_new_tokens": AR_FAMILY, "top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": ("spec", "ssd", "diffusion"),
            "k": ("spec", "ssd", "eagle3"), "fan_out": ("ssd",), "drafter": ("dflash", "ddtree", "eagle3"),
            "block_size": ("dflash", "ddtree"), "budget": ("ddtree", "eagle3"), "branch": ("eagle3",),
            "rule": ("dflash", "ddtree"), "min_confidence": ("dflash",),
@@ -88,7 +91,9 @@ def parse_args(argv=None):
     ar.add_argument("--top-k", type=COUNT_OR_NONE, default=50, help="sample among the k likeliest tokens (0 = all)")
     ar.add_argument("--top-p", type=MASS, help="nucleus sampling mass")
     spec = p.add_argument_group("spec (speculative decoding of an AR target)")
-    spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft)")
+    spec.add_argument("--draft", help="AR draft checkpoint (same tokenizer, e.g. trained with --preset draft); for a "
+                      "diffusion model with --self-speculate, the draft that proposes its positions left to right "
+                      "(train.py --model ar --target DIFFUSION_CKPT --regenerate N)")
     spec.add_argument("--k", type=COUNT, default=4, help="draft tokens proposed per target forward")
     spec.add_argument("--speculative-config", help="vLLM-style JSON: method, model, num_speculative_tokens")
     spec.add_argument("--fan-out", type=fan_out, default=3,
@@ -114,8 +119,9 @@ def parse_args(argv=None):
     diff.add_argument("--entropy-bound", type=NATS, help="commit the most confident run of positions whose entropies, "
                       "less the largest, sum to at most this many nats (EB-Sampler; parallel decoding)")
     diff.add_argument("--self-speculate", type=COUNT, help="draft this many positions a round from the model's own "
-                      "distributions and verify them in one batched forward: one token per step in the --remasking "
-                      "order (left_to_right, the default here, or low_entropy) exactly, in fewer forwards (cached)")
+                      "distributions (or with --draft, by an AR draft) and verify them in one batched forward: one "
+                      "token per step in the --remasking order (left_to_right, the default here, or low_entropy) "
+                      "exactly, in fewer forwards (cached)")
     diff.add_argument("--revise", type=COUNT_OR_NONE, default=0, help="self-correction steps per block (re-predict the least confident)")
     diff.add_argument("--cached", action="store_true", help="block-causal attention with a KV cache of finished blocks")
     diff.add_argument("--no-animate", action="store_true", help="do not draw the canvas as it fills in")
@@ -236,6 +242,12 @@ def run_self_speculative(model, prompt, args, generator, callback):
     if clash:
         raise UserError(f"--self-speculate samples one token per step exactly (cached, eager); drop {', '.join(clash)}")
     order = args.remasking if "remasking" in args.given else "left_to_right"
+    if args.draft:  # an AR draft proposes the positions (drafted_diffusion.py)
+        if order != "left_to_right":
+            raise UserError("--draft proposes the positions left to right, as an AR model reads: drop --remasking")
+        draft, _ = load_model(args.draft, args.device, kinds=("ar",))
+        return ar_drafted_generate(model, draft, prompt, args.gen_length, args.block_length, args.temperature,
+                                   args.self_speculate, generator, on_round=callback)
     if order not in ORDERS:
         raise UserError(f"--self-speculate commits in an order chosen before the draw: pass --remasking "
                         f"{' or '.join(ORDERS)}, not {order}")
@@ -244,6 +256,8 @@ def run_self_speculative(model, prompt, args, generator, callback):
 
 
 def run_diffusion(model, prompt, args, generator, callback):
+    if args.draft and not args.self_speculate:
+        raise UserError("--draft proposes the positions of --self-speculate K for a diffusion model: add it")
     if args.self_speculate:
         return run_self_speculative(model, prompt, args, generator, callback)
     steps = args.gen_length if args.steps is None else args.steps

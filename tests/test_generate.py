@@ -75,7 +75,7 @@ def mdlm_ckpt(tmp_path, tiny_config):
     return tmp_path / "mdlm.pt"
 
 
-def test_diffusion_json_output(mdlm_ckpt):
+def test_diffusion_json_output(mdlm_ckpt, ckpt):
     res = run("--ckpt", mdlm_ckpt, "--prompt", "Once upon a time", "--gen-length", 8, "--block-length", 4,
               "--steps", 4, "--json")
     assert res.returncode == 0, res.stderr
@@ -93,6 +93,11 @@ def test_diffusion_json_output(mdlm_ckpt):
     drafted = json.loads(res.stdout)
     assert drafted["ids"] == one_per_step["ids"] and drafted["stats"]["forwards"] <= 8
     assert len(drafted["stats"]["accepted"]) == 4 and drafted["stats"]["canvases"] > drafted["stats"]["forwards"]
+    res = run(*common, "--self-speculate", 3, "--draft", ckpt)  # an AR draft proposes them: the same tokens again
+    assert res.returncode == 0, res.stderr
+    ar_drafted = json.loads(res.stdout)
+    assert ar_drafted["ids"] == one_per_step["ids"] and ar_drafted["stats"]["forwards"] == ar_drafted["stats"]["rounds"]
+    assert ar_drafted["stats"]["draft_forwards"] > 0 and len(ar_drafted["stats"]["accepted"]) == 4
 
 
 def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):
@@ -179,6 +184,8 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
     (["--gen-length", 8, "--block-length", 4, "--entropy-bound", 0.5, "--threshold", 0.9], "not both"),
     (["--self-speculate", 2, "--threshold", 0.9], "one token per step exactly (cached, eager); drop --threshold"),
     (["--self-speculate", 2, "--remasking", "low_confidence"], "pass --remasking left_to_right or low_entropy"),
+    (["--draft", "draft.pt"], "--draft proposes the positions of --self-speculate K for a diffusion model: add it"),
+    (["--self-speculate", 2, "--draft", "draft.pt", "--remasking", "low_entropy"], "left to right, as an AR model reads"),
 ])
 def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
     res = run("--ckpt", mdlm_ckpt, "--prompt", "hi", *args)
@@ -224,7 +231,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8))
     save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=moe.config, model=moe)
     report = bench.main(["--ckpt", str(ckpt), "--mdlm", str(mdlm_ckpt), "--moe", str(tmp_path / "moe.pt"),
-                         "--distilled", str(mdlm_ckpt), "--entropy-bound", "1e9", "--new-tokens", "8", "--prompts", "2",
+                         "--distilled", str(mdlm_ckpt), "--distilled-draft", str(ckpt), "--entropy-bound", "1e9",
+                         "--new-tokens", "8", "--prompts", "2",
                          "--data", str(story_file), "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text()) == report and report["device"]
     rows = {r["method"]: r for r in report["rows"]}
@@ -270,6 +278,10 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     assert rows["diffusion-distilled-self-spec-k1"]["tau"] == 1  # one draft a round: the target's own step
     assert rows["diffusion-distilled-self-spec-k1"]["canvases_per_token"] == 1
     assert rows["diffusion-distilled-self-spec-k4"]["canvases_per_token"] >= 1
+    for k in (4, 8, 16):  # an AR draft's positions: up to k + 1 tokens a forward (the bonus), each forward k + 1 canvases
+        row = rows[f"diffusion-distilled-ar-drafted-k{k}"]
+        assert 1 <= row["tau"] <= k + 1 and len(row["accepted_hist"]) == k + 1 and 0 <= row["alpha"] <= 1
+        assert 1 <= row["canvases_per_token"] <= k + 1 and row["heldout_nll"] == rows["diffusion"]["heldout_nll"]
     for t in (0.9, 0.7, 0.5):
         assert rows[f"diffusion-distilled-t{t:g}"]["target_forwards_per_token"] <= 1
         assert rows[f"diffusion-distilled-t{t:g}"]["heldout_nll"] == rows["diffusion"]["heldout_nll"]  # --distilled is it

@@ -62,7 +62,8 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=mdlm_config, model=Transformer(mdlm_config))
     rows = quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"),
                          "--student", str(tmp_path / "mdlm.pt"), "--ar", str(tmp_path / "ar.pt"), "--samples", "2",
-                         "--gen-length", "8", "--block-length", "4", "--revise", "1", "--entropy-bound", "1e9"])
+                         "--gen-length", "8", "--block-length", "4", "--revise", "1", "--entropy-bound", "1e9",
+                         "--student-draft", str(tmp_path / "ar.pt")])
     assert [r["sampler"] for r in rows] == list(quality.SAMPLERS)
     by_name = {r["sampler"]: r for r in rows}
     assert by_name["diffusion"]["forwards_per_token"] == 1.0 == by_name["distilled"]["forwards_per_token"]
@@ -71,6 +72,7 @@ def test_cli_on_tiny_models(tmp_path, tiny_model, tiny_config, capsys):
         assert by_name[name]["forwards_per_token"] == 1 / 4  # a block a forward
     assert by_name["diffusion-revise"]["forwards_per_token"] == (8 + 2 * 1) / 8
     assert by_name["diffusion-threshold"]["forwards_per_token"] <= 1.0
+    assert by_name["distilled-ar-drafted"]["forwards_per_token"] <= 1.0
     assert all(r["gen_ppl"] > 1 and 0 <= r["distinct_2"] <= 1 for r in rows)
     assert all(r["gen_ppl_95"][0] <= r["gen_ppl"] <= r["gen_ppl_95"][1] for r in rows)
     with pytest.raises(UserError, match="nothing to sample"):
@@ -140,11 +142,13 @@ def test_each_curve_starts_at_the_one_token_per_step_point_of_its_order():
     def row(setting, rho, y):
         return {"model": "student", "setting": setting, "forwards_per_token": 1 / rho, "y": y}
     rows = [row("one token per step", 1, 100), row("threshold 0.5", 2, 60), row("left-to-right bound 0", 1, 90),
-            row("left-to-right bound 1", 1.5, 80), row("low-entropy bound 1", 1.2, 70), row("self-speculative 2", 1.5, 90)]
+            row("left-to-right bound 1", 1.5, 80), row("low-entropy bound 1", 1.2, 70), row("self-speculative 2", 1.5, 90),
+            row("ar-drafted 4", 2.5, 88)]
     got = curve_aups(rows, 100)
     assert got["student, threshold"] == aup([(1, 100), (2, 60)], 100)
     assert got["student, left-to-right bound"] == aup([(1, 90), (1.5, 80)], 100)
     assert got["student, self-speculative"] == aup([(1, 90), (1.5, 90)], 100)
+    assert got["student, ar-drafted"] == aup([(1, 90), (2.5, 88)], 100)
     assert "student, low-entropy bound" not in got  # one point, no curve
 
 
@@ -155,7 +159,8 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
     args = ["--judge", str(tmp_path / "ar.pt"), "--mdlm", str(tmp_path / "mdlm.pt"), "--student", str(tmp_path / "mdlm.pt"),
             "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt"), "--samples", "2", "--gen-length", "8",
             "--block-length", "4", "--curve", "--thresholds", "1e-9", "--entropy-bounds", "0,1e9", "--ltr-bounds", "0,1e9",
-            "--low-entropy-bounds", "0,1e9", "--self-spec-drafts", "1,2", "--data",
+            "--low-entropy-bounds", "0,1e9", "--self-spec-drafts", "1,2", "--student-draft", str(tmp_path / "ar.pt"),
+            "--ar-drafted-drafts", "3", "--data",
             str(story_file), "--json", str(tmp_path / "curve.json")]
     rows = quality.main(args)
     settings = [(r["model"], r["setting"]) for r in rows]
@@ -163,7 +168,7 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
                         ("one token per step", "threshold 1e-09", "entropy bound 0", "entropy bound 1e+09",
                          "left-to-right bound 0", "left-to-right bound 1e+09", "low-entropy bound 0",
                          "low-entropy bound 1e+09", "self-speculative 1", "self-speculative 2")] + \
-        [("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
+        [("student", "ar-drafted 3"), ("ar", "one token per forward"), ("ar + speculative", "draft k = 4")]
     by = {(r["model"], r["setting"]): r for r in rows}
     assert by["teacher", "one token per step"]["y"] == 100 and by["teacher", "one token per step"]["agreement_t0"] == 1
     assert by["teacher", "threshold 1e-09"]["forwards_per_token"] == 1 / 4  # every token clears it: a block a forward
@@ -179,6 +184,9 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
         assert by[name, "self-speculative 2"]["forwards_per_token"] <= 1
         for k in (1, 2):
             assert by[name, f"self-speculative {k}"]["agreement_t0"] == by[name, "left-to-right bound 0"]["agreement_t0"]
+    assert by["student", "ar-drafted 3"]["agreement_t0"] == by["student", "left-to-right bound 0"]["agreement_t0"]
+    assert by["student", "ar-drafted 3"]["forwards_per_token"] <= 1 and by["student", "ar-drafted 3"]["checkpoint"] == \
+        f"{tmp_path / 'mdlm.pt'} + {tmp_path / 'ar.pt'}"
     assert by["ar + speculative", "draft k = 4"]["forwards_per_token"] < 1  # its own draft: every draft accepted
     assert (tmp_path / "curve.json").is_file()
     again = quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--thresholds", "1e-9,0.5"])
@@ -190,6 +198,10 @@ def test_curve_cli(tmp_path, tiny_model, tiny_config, story_file):
         quality.main(args[:-2] + ["--reuse", str(tmp_path / "curve.json"), "--samples", "3"])
     with pytest.raises(UserError, match="--draft adds"):
         quality.main(["--judge", str(tmp_path / "ar.pt"), "--ar", str(tmp_path / "ar.pt"), "--draft", str(tmp_path / "ar.pt")])
+    with pytest.raises(UserError, match="--student-draft drafts for --student"):
+        quality.main(["--judge", str(tmp_path / "ar.pt"), "--mdlm", "m.pt", "--student-draft", str(tmp_path / "ar.pt")])
+    with pytest.raises(UserError, match="--ar-drafted-drafts needs --student-draft"):
+        quality.main(args[:6] + ["--curve", "--ar-drafted-drafts", "2"])
 
 
 def test_curve_plot_without_matplotlib_is_refused_before_any_work(tmp_path, monkeypatch):

@@ -1,11 +1,16 @@
-"""The target's regenerated training text: batched, and the same stories one-at-a-time decoding writes."""
+"""The target's regenerated training text: batched, and the same stories one-at-a-time decoding writes;
+a diffusion target's, written by its left-to-right sampler (exact greedy text, and the sampler's joint)."""
 import numpy as np
 import pytest
 import torch
+from diffusion_joint import NEW, SMALL_PROMPT, V, SmallVocab, exact_joint
+from stats_helpers import assert_follows_the_joint, random_model
 
 from tinydiff.ar import ar_generate
 from tinydiff.errors import UserError
-from tinydiff.regenerate import first_repeat, regenerate, story_openings, trim_loops
+from tinydiff.model import ModelConfig
+from tinydiff.regenerate import continue_diffusion_batch, first_repeat, regenerate, story_openings, trim_loops
+from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT
 
 
@@ -92,3 +97,62 @@ def test_trim_loops_keeps_stories_prefixes_of_the_targets_own(tiny_model):
     for full, cut in zip(stories, trimmed):
         assert full[:len(cut)] == cut and len(cut) == min(len(full), first_repeat(full, 2) + 1)
     assert sum(map(len, trimmed)) < sum(map(len, stories))  # an untrained greedy model loops at once
+
+
+TEMPERATURE, SAMPLES = 1.5, 5_000
+
+
+@torch.no_grad()
+def test_a_diffusion_target_writes_stories_from_its_left_to_right_joint():
+    """Every story a row of one batch: chi-square against the enumerated joint of the left-to-right
+    sampler at significance 1e-3, power >= 0.9 against one continuation off by 2 points."""
+    model = SmallVocab(False, 3)
+    model.config = ModelConfig(vocab_size=V + 1, context=len(SMALL_PROMPT) + NEW, n_layer=1, n_head=2, d_model=16,
+                               d_ff=32, causal=False)  # the stories fill the context: NEW tokens
+    probs = exact_joint(model, "left_to_right", TEMPERATURE, 2)
+    rows = continue_diffusion_batch(model, [SMALL_PROMPT] * SAMPLES, TEMPERATURE, torch.Generator().manual_seed(7),
+                                    block_length=2)
+    counts = torch.zeros(V ** NEW, dtype=torch.long)
+    for out in rows:
+        counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
+    assert_follows_the_joint(probs, counts, SAMPLES)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_diffusion_target_writes_what_its_greedy_left_to_right_sampler_writes(shift):
+    """Each row of a batch is generate_cached's left-to-right text after its prompt (float64: batched rows
+    round as one), whole blocks up to the context, cut after the first EOT."""
+    config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False, shift=shift)
+    target = random_model(config, 0, embed_std=2.0).double()
+    target.embed.weight.data[EOT] *= 2  # EOT comes up in some rows and not in others
+    prompts = [[EOT, 464, 3797, 318], [EOT, 11, 12, 13], [EOT, 40, 41, 42]]
+    rows = continue_diffusion_batch(target, prompts, 0.0, None, block_length=8)
+    ended = 0
+    for prompt, row in zip(prompts, rows):
+        want, _ = generate_cached(target, prompt, 56, 56, 8, 0.0, "left_to_right")
+        assert row == (want[:want.index(EOT) + 1] if EOT in want else want)
+        ended += EOT in row
+    assert 0 < ended < len(rows)  # rows cut on their own, and rows run to the context
+
+
+
+
+def test_an_ar_draft_learns_a_diffusion_target_from_the_stories_it_writes(story_file, tmp_path):
+    """train.py --model ar --target MDLM --regenerate N: the stories are the diffusion target's (whole
+    blocks of 32 after each 8-token opening, as far as its context allows), and they are the labels."""
+    from tinydiff import trainer
+    from tinydiff.checkpoint import load_checkpoint, save_checkpoint
+    from tinydiff.model import Transformer
+    config = ModelConfig(context=48, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False)  # one block after 9
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=config, model=Transformer(config))
+    common = ["--model", "ar", "--target", str(tmp_path / "mdlm.pt"), "--data", str(story_file), "--preset", "draft",
+              "--context", "16", "--batch-size", "2", "--max-steps", "2", "--warmup", "1", "--eval-every", "2",
+              "--eval-batches", "1", "--device", "cpu"]
+    trainer.main([*common, "--regenerate", "3", "--draft-temperature", "1", "--out", str(tmp_path / "draft")])
+    assert load_checkpoint(tmp_path / "draft" / "ckpt.pt")["kind"] == "ar"
+    stories = split_stories(np.fromfile(tmp_path / "draft" / "regenerated.u16", dtype=np.uint16))
+    assert len(stories) == 3 and all(8 < len(story) <= 8 + 32 for story in stories)
+    with pytest.raises(UserError, match="learns a diffusion --target from the stories it writes: add --regenerate"):
+        trainer.main([*common, "--draft-temperature", "1", "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="holds a mdlm model; this needs ar or ar-moe"):
+        trainer.main(["--model", "dflash", *common[2:6], "--regenerate", "2", "--out", str(tmp_path / "y")])

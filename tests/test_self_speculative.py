@@ -8,10 +8,11 @@ import pytest
 import torch
 from stats_helpers import assert_follows_the_joint, assert_same, random_model
 from stats_helpers import one_thread  # noqa: F401 (autouse fixture)
+from diffusion_joint import NEW, SMALL_PROMPT, V, SmallVocab, exact_joint
 
 from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.sampler import block_causal_mask, generate_cached, position_entropy, prefix_cached_logits
+from tinydiff.sampler import generate_cached, prefix_cached_logits
 from tinydiff.sampling import next_token_probs
 from tinydiff.self_speculative import row_view, self_speculative_generate
 from tinydiff.tokenizer import MASK
@@ -84,56 +85,6 @@ def test_counts_are_the_forwards_and_canvases_run(order):
     assert stats.forwards <= stats.rounds + blocks
     assert stats.canvases_per_token == stats.canvases / 24
     assert stats.rejected > 0 and any(stats.accepted[2:])  # both branches of the rule ran
-
-
-# Distribution: a diffusion LM over V = 6 ids, NEW = 4 tokens after a 2-token prompt.
-V, NEW, SMALL_PROMPT = 6, 4, [1, 2]
-
-
-class SmallVocab(torch.nn.Module):
-    """A random diffusion LM over V ids: MASK reads as the extra id V, and the logits are the V real
-    ids' (the model never predicts MASK). Cheap enough for thousands of seeded generations."""
-
-    def __init__(self, shift: bool, seed: int):
-        super().__init__()
-        config = ModelConfig(vocab_size=V + 1, context=8, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=False,
-                             shift=shift)
-        self.inner = random_model(config, seed)
-        self.config, self.embed = self.inner.config, self.inner.embed
-
-    def new_cache(self, batch_size=1):
-        return self.inner.new_cache(batch_size)
-
-    def forward(self, idx, **kwargs):
-        return self.inner(torch.where(idx == MASK, V, idx), **kwargs)[..., :V]
-
-
-@torch.no_grad()
-def exact_joint(model, order, temperature, block):
-    """P(x_1..x_NEW) of one token per step in `order`, blocks of `block` left to right, for all V^NEW
-    continuations: every path walked with full uncached block-causal forwards."""
-    P, shift = len(SMALL_PROMPT), int(model.config.shift)
-    ids = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(NEW) // block])
-    mask = block_causal_mask(ids)
-    probs = torch.zeros(V ** NEW, dtype=torch.float64)
-
-    def walk(canvas, mass):
-        open_ = [i for i in range(P, P + NEW) if canvas[i] == MASK]
-        if not open_:
-            probs[sum(int(t) * V ** (NEW - 1 - i) for i, t in enumerate(canvas[P:]))] += mass
-            return
-        lo = P + (open_[0] - P) // block * block
-        logits = model(canvas[None], causal=False, mask=mask)[0, lo - shift:lo - shift + block].double()
-        here = torch.tensor([i - lo for i in open_ if i < lo + block])
-        if order == "low_entropy":
-            here = here[torch.argsort(position_entropy(logits[here], temperature), stable=True)]
-        p = next_token_probs(logits[here[0]], temperature)
-        for v in range(V):
-            if p[v] > 0:
-                walk(torch.cat([canvas[:lo + here[0]], torch.tensor([v]), canvas[lo + here[0] + 1:]]), mass * float(p[v]))
-
-    walk(torch.tensor(SMALL_PROMPT + [MASK] * NEW), 1.0)
-    return probs
 
 
 CASES = {  # name: (order, shifted, block, drafts, model seed, samples), at T 1.5: a flatter joint needs fewer

@@ -44,7 +44,7 @@ from tinydiff.diffusion import subs_logits
 from tinydiff.dmoe import balance_loss
 from tinydiff.errors import UserError
 from tinydiff.files import write_atomic
-from tinydiff.kinds import config_from, load_model, model_from
+from tinydiff.kinds import DIFFUSION_KINDS, config_from, load_model, model_from
 from tinydiff.model import wide
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import REMASKING, generate_cached
@@ -91,7 +91,7 @@ ROUTING_FIELDS = ("routing", "route_threshold", "route_guard", "route_mask_vote"
 def load_teacher(path, kind: str, device="cpu"):
     """The frozen teacher: a diffusion LM (it writes by denoising) of the run's kind."""
     teacher, ckpt = load_model(path, device)
-    if ckpt["kind"] not in ("mdlm", "mdlm-moe"):
+    if ckpt["kind"] not in DIFFUSION_KINDS:
         raise UserError(f"--distill {path} holds a {ckpt['kind']} model; the teacher must be a diffusion LM "
                         "(mdlm or mdlm-moe)")
     if ckpt["kind"] != kind:

@@ -32,7 +32,7 @@ from tinydiff.diffusion import scored_tokens
 from tinydiff.errors import UserError
 from tinydiff.files import check_output, write_atomic
 from tinydiff.judge import sample_and_judge
-from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.model import wide
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -130,7 +130,7 @@ def main(argv=None):
     check_device(args.device)
     check_output(args.json, "--json")
     stories = pinned_stories(args.data)
-    model, ckpt = load_model(args.ckpt, args.device, kinds=(*AR_KINDS, "mdlm", "mdlm-moe"))
+    model, ckpt = load_model(args.ckpt, args.device, kinds=(*AR_KINDS, *DIFFUSION_KINDS))
     judge = load_model(args.judge, args.device, kinds=("ar",))[0] if args.judge else None
     if judge is not None and ckpt["kind"] not in AR_KINDS and args.gen_length % args.block_length:
         raise UserError(f"--gen-length {args.gen_length} must be a multiple of --block-length {args.block_length}")

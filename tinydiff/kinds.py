@@ -22,6 +22,7 @@ from tinydiff.tokenizer import VOCAB_SIZE
 # kind -> (config class, what builds the model from a config); every other kind is a plain Transformer
 ARCHITECTURES = {kind: (MoEConfig, moe_model) for kind in MOE_KINDS}
 AR_KINDS = ("ar", "ar-moe")  # the causal LMs: what AR decoding, a draft's or drafter's --target and spec decode
+DIFFUSION_KINDS = ("mdlm", "mdlm-moe")  # the masked diffusion LMs: what the diffusion samplers decode
 
 
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:

@@ -237,7 +237,8 @@ class Transformer(nn.Module):
         weight = self.embed.weight
         return KVCache(self.config, batch_size, device or weight.device, dtype or weight.dtype)
 
-    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
+    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0,
+                head_at=None):
         """Logits (B, T, V) for token ids idx (B, T).
 
         pos: position ids (T,) or (B, T); default cache.length + arange(T). Given, without a cache,
@@ -248,6 +249,8 @@ class Transformer(nn.Module):
         hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
         head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a
             small model's cost, and block diffusion scores only the second half of what it reads.
+        head_at: logits for one position per row only, (B, 1, V): an int, or a (B,) tensor of each
+            row's own (a left-to-right sampler reads one position).
         """
         B, T = idx.shape
         past = cache.length if cache is not None else 0
@@ -278,5 +281,9 @@ class Transformer(nn.Module):
                 hidden[i + 1] = x
         if cache is not None:
             cache.advance(T)
-        logits = F.linear(self.norm(x[:, head_from:]), self.embed.weight)  # (B, T - head_from, V), tied head
+        if head_at is not None:  # one position per row: the same for all (an int), or each row's own (B,)
+            x = x[:, head_at:head_at + 1] if isinstance(head_at, int) else x[torch.arange(B, device=x.device), head_at][:, None]
+        else:
+            x = x[:, head_from:]
+        logits = F.linear(self.norm(x), self.embed.weight)  # (B, T - head_from or 1, V), tied head
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])

@@ -14,6 +14,8 @@ of it, so `trim_loops` cuts each story a few tokens past its first repeated n-gr
 spends its anchors on the text before the loop, where drafts fail.
 A draft trained for sampling (train.py --draft-temperature T) learns from continuations sampled
 at T instead: text from the target's distribution there, not its mode.
+A diffusion target writes for an AR draft that will draft for it (drafted_diffusion.py): its
+left-to-right one-token-per-step sampler, the process that draft is verified against.
 Leaves out: continuations at several temperatures in one run, mixing regenerated and real text.
 """
 import os
@@ -24,11 +26,13 @@ import torch
 from tinydiff import progress
 from tinydiff.errors import UserError
 from tinydiff.files import write_atomic
+from tinydiff.sampler import prefix_cached_logits
 from tinydiff.sampling import next_token_probs, sample
-from tinydiff.tokenizer import EOT
+from tinydiff.tokenizer import EOT, MASK
 
 
 FILES = ("regenerated.u16", "regenerated-val.u16")  # a run folder's training and validation text
+DIFFUSION_BLOCK = 32  # a diffusion target writes in the blocks generate.py and the quality tool sample with
 
 
 def story_openings(tokens, n: int, length: int, seed: int) -> list[list[int]]:
@@ -71,6 +75,38 @@ def continue_batch(target, prompts: list[list[int]], temperature: float, generat
     return [row[:row.index(EOT) + 1] if EOT in row else row for row in rows]
 
 
+@torch.no_grad()
+def continue_diffusion_batch(target, prompts: list[list[int]], temperature: float, generator,
+                             sample_first: int = 0, block_length: int = DIFFUSION_BLOCK) -> list[list[int]]:
+    """Each prompt (all of one length) continued by a diffusion target as generate_cached(...,
+    steps=gen_length, remasking="left_to_right") samples it, one token per step left to right in
+    blocks of `block_length`, as far as whole blocks fit its context; each up to its first EOT. The
+    first `sample_first` new tokens are drawn at temperature 1 and are never EOT, as continue_batch's.
+
+    Every row commits the same position at each step, so one cache with a row per prompt runs them
+    all, and the head scores only that position: (rows, block) forwards, one row of logits each.
+    """
+    device = target.embed.weight.device
+    P = len(prompts[0])
+    gen_length = (target.config.context - P) // block_length * block_length
+    if gen_length == 0:
+        raise UserError(f"the diffusion target reads {target.config.context} tokens: no {block_length}-token block "
+                        f"fits after a {P}-token opening; use a target with a longer context")
+    canvas = torch.tensor([p + [MASK] * gen_length for p in prompts], device=device)  # (rows, L)
+    cache = target.new_cache(len(prompts))
+    for lo in range(P, P + gen_length, block_length):
+        for i in range(lo, lo + block_length):
+            logits = prefix_cached_logits(target, canvas, cache, lo, P, block_length, at=i - lo)[:, 0]  # (rows, V)
+            opening = i - P < sample_first
+            if opening:
+                logits[:, EOT] = float("-inf")
+            canvas[:, i] = sample(next_token_probs(logits, 1.0 if opening else temperature), generator)
+        if (canvas[:, P:lo + block_length] == EOT).any(1).all():  # every story has ended
+            break
+    rows = canvas[:, P:].tolist()
+    return [row[:row.index(EOT) + 1] if EOT in row else row for row in rows]  # a break: every row has one
+
+
 def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature: float = 0.0,
                batch_size: int = 32, sampled_openings: bool = False) -> np.ndarray:
     """uint16 token array: n stories, each EOT + an opening from `tokens` (or sampled by the target)
@@ -87,9 +123,10 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     sample_first = opening if sampled_openings else 0
     out = []
     bar = progress.bar(total=n, desc="regenerating", unit="story")
+    write = continue_batch if target.config.causal else continue_diffusion_batch
     for i in range(0, n, batch_size):
         chunk = prompts[i:i + batch_size]
-        for prompt, ids in zip(chunk, continue_batch(target, chunk, temperature, generator, sample_first)):
+        for prompt, ids in zip(chunk, write(target, chunk, temperature, generator, sample_first)):
             out += prompt + [t for t in ids if t != EOT]
         bar.update(len(chunk))
     bar.close()

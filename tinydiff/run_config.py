@@ -77,16 +77,18 @@ class RunConfig:
     noise_block: int | None = setting(None, "mdlm, mdlm-moe: a noise level per block of N tokens behind a clean "
                                       "prefix (block diffusion, what the cached block sampler meets; default: one "
                                       "per window)", type=COUNT_OR_NONE)
-    target: str | None = setting(None, "the AR target checkpoint (ar or ar-moe) the draft or drafter learns to "
-                                 "draft for", "drafter")
+    target: str | None = setting(None, "the target checkpoint the draft or drafter learns to draft for: ar or "
+                                 "ar-moe; for --model ar also a diffusion LM (mdlm, mdlm-moe), whose left-to-right "
+                                 "sampler writes the --regenerate stories", "drafter")
     block_size: int = setting(16, "B: the drafter fills B-1 slots per forward", "drafter", type=BLOCK)
     regenerate: int | None = setting(None, "train on N stories --target writes from story openings", "drafter",
                                      type=STORIES)
     openings: str = setting("corpus", "--regenerate's story openings: the corpus's, or sampled by the target",
                             "drafter", choices=("corpus", "target"))
     draft_temperature: float | None = setting(None, "train for sampling at this temperature: --regenerate's "
-                                              "stories are sampled at it and the labels are the target's "
-                                              "distribution at it (default: greedy stories, hard labels)",
+                                              "stories are sampled at it and the labels are an AR target's "
+                                              "distribution at it (a diffusion target's: its stories; default: "
+                                              "greedy stories, hard labels)",
                                               "drafter", type=SAMPLING_TEMPERATURE)
     steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",

@@ -12,20 +12,22 @@ from tinydiff.distill import student_from
 from tinydiff.dmoe import MOE_KINDS, MoETransformer, moe_config, set_routing
 from tinydiff.eagle import EagleConfig, EagleHead, head_from
 from tinydiff.errors import UserError
-from tinydiff.kinds import AR_KINDS, load_model, model_from
+from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model, model_from
 from tinydiff.model import Transformer, preset
 from tinydiff.qat import fake_quantize_experts
 from tinydiff.run_config import DRAFTERS
 
 
 def load_target(run: dict, device: str, context: int = 0):
-    """The frozen AR target (dense or MoE) a drafter (DFlash, EAGLE-3, an AR draft) or an ar-moe QAT
-    run trains against; it must read windows of `context` tokens."""
+    """The frozen target a drafter (DFlash, EAGLE-3, an AR draft) or an ar-moe QAT run trains against:
+    an AR model (dense or MoE) that must read windows of `context` tokens, or for an AR draft a
+    diffusion LM, whose left-to-right sampler the draft will draft for (drafted_diffusion.py)."""
     if not run["target"]:
         raise UserError(f"--model {run['model']} {'--regenerate ' if run['regenerate'] else ''}needs --target CKPT, "
-                        "the AR model to draft for")
-    target, _ = load_model(run["target"], device, kinds=AR_KINDS)
-    if target.config.context < context:
+                        "the model to draft for")
+    kinds = AR_KINDS + (DIFFUSION_KINDS if run["model"] == "ar" else ())
+    target, _ = load_model(run["target"], device, kinds=kinds)
+    if target.config.causal and target.config.context < context:
         raise UserError(f"--target {run['target']} reads {target.config.context} tokens, this run's windows "
                         f"{context}: pass --context {target.config.context} or a target with a longer context")
     return target.requires_grad_(False)
@@ -69,7 +71,7 @@ def check_flags_fit(run: dict):
     if run["qat"] is not None and run["model"] not in MOE_KINDS:
         raise UserError("--qat fake-quantizes the experts of a mixture-of-experts model: use --model mdlm-moe or "
                         "ar-moe (and --init its full-precision checkpoint)")
-    if run["distill"] and run["model"] not in ("mdlm", "mdlm-moe"):
+    if run["distill"] and run["model"] not in DIFFUSION_KINDS:
         raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
 
 

@@ -218,20 +218,22 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
     return canvas[P:].tolist(), trace.result(gen_length, device)
 
 
-def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int):
+def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int, at=None):
     """Logits (S, N, V) that predict the block canvases[:, lo:lo+N] (S canvases (S, L) that agree
     before lo; `cache` holds S rows): one forward of the finished positions the cache lacks, then
     the block, block-causal against the cached prefix. The cache then keeps the rows of the finished
-    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one)."""
+    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one).
+    at: only the logits that predict block position `at` (an int, or (S,) one per canvas), (S, 1, V)."""
     shift, start = int(model.config.shift), cache.length  # finished positions not yet cached, then the block
     position = torch.arange(start, lo + block_length, device=canvases.device)
     block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
     mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=canvases.device),
                       block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
-    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache)  # (S, n, V)
-    cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
     first = lo - shift - start  # the output that predicts position lo
-    return logits[:, first:first + block_length]
+    one = {} if at is None else {"head_at": first + at}  # only then: a compiled step (compiled.py) takes no head_at
+    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache, **one)  # (S, n or 1, V)
+    cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
+    return logits if at is not None else logits[:, first:first + block_length]
 
 
 @torch.no_grad()

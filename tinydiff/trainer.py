@@ -187,6 +187,8 @@ def training_data(run: dict, model, out: Path, token_paths, device):
     needs_target = run["regenerate"] is not None or (temperature is not None and run["model"] == "ar")
     reads = model.config.context if temperature is not None else 0  # the AR draft's windows go through the target
     target = (model.target if run["model"] in DRAFTERS else load_target(run, device, reads)) if needs_target else None
+    if target is not None and not target.config.causal and run["regenerate"] is None:
+        raise UserError("an AR draft learns a diffusion --target from the stories it writes: add --regenerate N")
     if run["regenerate"] is not None:  # a draft learns the target's own text: what it will be asked to guess
         train_file, val_file = (out / name for name in REGENERATED)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
@@ -195,7 +197,9 @@ def training_data(run: dict, model, out: Path, token_paths, device):
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]),
                                         run["seed"], temperature=temperature or 0.0)
-    if temperature is not None:  # labels: the target's distribution at the temperature it will be sampled at
+    if temperature is not None and (run["model"] != "ar" or target.config.causal):  # labels: the target's
+        # distribution at the temperature it will be sampled at. A diffusion target's left-to-right
+        # conditionals would cost a forward per position: its sampled stories are the labels.
         loss_fn = functools.partial(soft_ar_loss, target=target, temperature=temperature) if run["model"] == "ar" else \
             functools.partial(loss_fn, temperature=temperature)
     if run["qat"] is not None and run["target"]:  # labels: the full-precision model's distribution

@@ -25,6 +25,7 @@ import torch
 from tinydiff.ar import ar_generate
 from tinydiff.judge import sample_and_judge
 from tinydiff.sampler import generate_cached
+from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import speculative_generate
 
@@ -49,11 +50,12 @@ def quality_y(row: dict, reference: dict) -> float:
 
 
 # a diffusion LM's curves, each the rows whose setting starts with its name
-FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound", "self-speculative")
+FAMILIES = ("threshold", "entropy bound", "left-to-right bound", "low-entropy bound", "self-speculative", "ar-drafted")
 # the point each family's line starts from: the confidence order's one token per step, or None for its own first
-# point (another order from the first step); a self-speculative point samples the left-to-right sampler exactly
+# point (another order from the first step); self-speculative and ar-drafted points sample the left-to-right
+# sampler exactly
 START = {"threshold": "one token per step", "entropy bound": "one token per step", "left-to-right bound": None,
-         "low-entropy bound": None, "self-speculative": "left-to-right bound 0"}
+         "low-entropy bound": None, "self-speculative": "left-to-right bound 0", "ar-drafted": "left-to-right bound 0"}
 
 
 def family_points(rows, model: str, family: str) -> list:
@@ -77,12 +79,15 @@ def diffusion_settings(thresholds, bounds, ltr_bounds=(), low_entropy_bounds=())
 
 def curve_rows(models: dict, paths: dict, judge, args, reused=()):
     """(rows, reference row, y_max): every point of the curve. models holds "mdlm" and/or "student"
-    (diffusion LMs), "ar" and "draft" (AR target and draft, for the AR and speculative points), paths
-    their checkpoints; args: samples, gen_length, block_length, temperature, thresholds,
-    entropy_bounds, ltr_bounds, low_entropy_bounds, self_spec_drafts, k, device. A row of `reused` (an earlier
+    (diffusion LMs), "student_draft" (an AR draft for the student), "ar" and "draft" (AR target and
+    draft, for the AR and speculative points), paths their checkpoints; args: samples, gen_length,
+    block_length, temperature, thresholds, entropy_bounds, ltr_bounds, low_entropy_bounds,
+    self_spec_drafts, ar_drafted_drafts, k, device. A row of `reused` (an earlier
     run's rows, same sampling settings) stands in for a point of the same model, setting and checkpoint: a point
     costs minutes. A "self-speculative k" point samples exactly the left-to-right one-token-per-step sampler
-    (self_speculative.py, k positions drafted a round); its rule is that sampler's, whose T = 0 text it writes."""
+    (self_speculative.py, k positions drafted a round), an "ar-drafted k" point too, with k positions drafted
+    a round by the AR student_draft (drafted_diffusion.py); their rule is that sampler's, whose T = 0 text
+    they write."""
     n, block = args.gen_length, args.block_length
     plans = []  # (model, setting, rule, checkpoint, sample(prompt, generator))
     for key, name in (("mdlm", "teacher"), ("student", "student")):
@@ -95,6 +100,11 @@ def curve_rows(models: dict, paths: dict, judge, args, reused=()):
                 plans.append((name, f"self-speculative {k}", {"remasking": "left_to_right"}, paths[key],
                               lambda p, g, m=models[key], k=k: self_speculative_generate(
                                   m, p, n, block, args.temperature, "left_to_right", k, generator=g)))
+    for k in args.ar_drafted_drafts if "student_draft" in models else ():
+        plans.append(("student", f"ar-drafted {k}", {"remasking": "left_to_right"},
+                      f"{paths['student']} + {paths['student_draft']}",
+                      lambda p, g, k=k: ar_drafted_generate(models["student"], models["student_draft"], p, n, block,
+                                                            args.temperature, k, generator=g)))
     if "ar" in models:
         plans.append(("ar", "one token per forward", {}, paths["ar"], lambda p, g: ar_generate(
             models["ar"], p, n, args.temperature, generator=g)))

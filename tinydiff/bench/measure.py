@@ -165,7 +165,8 @@ def summarise(totals: dict, n_prompts: int) -> dict:
 def load_models(args) -> dict:
     models = {}
     for name, path, kind, size in (("target", args.ckpt, "ar", "tiny"), ("draft", args.draft, "ar", "draft"),
-                                   ("mdlm", args.mdlm, "mdlm", "tiny"), ("distilled", args.distilled, "mdlm", "tiny")):
+                                   ("mdlm", args.mdlm, "mdlm", "tiny"), ("distilled", args.distilled, "mdlm", "tiny"),
+                                   ("distilled_draft", args.distilled_draft, "ar", "draft")):
         if path:  # the target may be an ar-moe (float or FP4 experts): the AR rows decode it as they do a dense one
             models[name], _ = load_model(path, args.device, kinds=AR_KINDS if name == "target" else (kind,))
         else:

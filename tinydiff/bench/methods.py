@@ -21,6 +21,7 @@ from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
+from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
 from tinydiff.sampler import generate, generate_cached
@@ -55,6 +56,15 @@ def run_self_spec(models, prompt, args, generator, k):
     n = args.new_tokens
     ids, result = self_speculative_generate(models["distilled"], prompt, n, min(32, n), args.temperature,
                                             "left_to_right", k, generator=generator)
+    return {**chain_counts(ids, result), "canvases": result.canvases}
+
+
+def run_ar_drafted(models, prompt, args, generator, k):
+    """The same sampler, k positions a round drafted left to right by an AR draft trained on the distilled
+    model's stories (--distilled-draft; drafted_diffusion.py): lossless."""
+    n = args.new_tokens
+    ids, result = ar_drafted_generate(models["distilled"], models["distilled_draft"], prompt, n, min(32, n),
+                                      args.temperature, k, generator=generator)
     return {**chain_counts(ids, result), "canvases": result.canvases}
 
 
@@ -185,6 +195,7 @@ METHODS = {
     "diffusion-distilled-low-entropy": lambda *a: run_distilled(*a, entropy_bound=a[2].entropy_bound,
                                                                 remasking="low_entropy"),
     **{f"diffusion-distilled-self-spec-k{k}": (lambda *a, k=k: run_self_spec(*a, k=k)) for k in (1, 2, 4)},
+    **{f"diffusion-distilled-ar-drafted-k{k}": (lambda *a, k=k: run_ar_drafted(*a, k=k)) for k in (4, 8, 16)},
     "dmoe-token": lambda *a: run_dmoe(*a, routing="token"),
     "dmoe-block": lambda *a: run_dmoe(*a, routing="block"),
 }
@@ -221,7 +232,7 @@ def spec_hot(k: int) -> dict:
 def compiled_models(method: str, models: dict, args) -> dict | None:
     """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
-    samplers (no cache to make static), the self-speculative ones (batched canvases) and dMoE (routing
+    samplers (no cache to make static), the self-speculative and ar-drafted ones (batched canvases) and dMoE (routing
     has no fixed shapes), an ar-moe target included."""
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
@@ -243,7 +254,7 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if method.startswith("eagle3-"):
         hot = hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32)
         return wrap(models, hot, mode)
-    if "-self-spec-" in method:  # batched verify canvases: no static batch-1 cache
+    if "-self-spec-" in method or "-ar-drafted-" in method:  # batched verify canvases: no static batch-1 cache
         return None
     role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
     if method in ("diffusion-cached", "diffusion-entropy") or role == "distilled":

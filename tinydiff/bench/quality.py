@@ -29,9 +29,10 @@ from tinydiff.dmoe import ROUTINGS, routing_from_flags
 from tinydiff.errors import UserError
 from tinydiff.files import check_output
 from tinydiff.judge import sample_and_judge
-from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.regenerate import story_openings
 from tinydiff.sampler import generate, generate_cached
+from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 
@@ -45,7 +46,7 @@ def cached(key: str, remasking="low_confidence", **rule):
     return key, sample
 
 
-SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, generator) -> (ids, stats))
+SAMPLERS = {  # name -> (model key or keys, sampling function(model(s), prompt, args, generator) -> (ids, stats))
     "ar": ("ar", lambda m, p, a, g: ar_generate(m, p, a.gen_length, a.temperature, generator=g)),
     "diffusion": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
                                                       a.temperature, generator=g)),
@@ -61,6 +62,8 @@ SAMPLERS = {  # name -> (model key, sampling function(model, prompt, args, gener
     "distilled-low-entropy": cached("student", "low_entropy", entropy_bound="entropy_bound"),
     "distilled-self-spec": ("student", lambda m, p, a, g: self_speculative_generate(
         m, p, a.gen_length, a.block_length, a.temperature, "left_to_right", a.draft_positions, generator=g)),
+    "distilled-ar-drafted": (("student", "student_draft"), lambda m, d, p, a, g: ar_drafted_generate(
+        m, d, p, a.gen_length, a.block_length, a.temperature, a.draft_positions, generator=g)),
 }
 
 
@@ -69,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
     p.add_argument("--student", help="diffusion LM distilled for parallel decoding (train.py --distill)")
+    p.add_argument("--student-draft", help="an AR draft for --student, trained on its stories (train.py --model ar "
+                   "--target STUDENT --regenerate N): distilled-ar-drafted and --ar-drafted-drafts")
     p.add_argument("--routing", choices=ROUTINGS, help="expert routing of an mdlm-moe --mdlm (default: its own)")
     p.add_argument("--route-guard", type=COUNT, help="block routing: at least this many experts (default: its own)")
     p.add_argument("--route-threshold", type=MASS, help="block routing: coreset mass (default: its own)")
@@ -84,8 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=MASS, default=0.9, help="for the *-threshold samplers")
     p.add_argument("--entropy-bound", type=NATS, default=0.1, help="nats, for the *-entropy samplers: commit the "
                    "most confident run with sum(H) - max(H) under it (EB-Sampler)")
-    p.add_argument("--draft-positions", type=COUNT, default=2, help="for distilled-self-spec: positions drafted a "
-                   "round from the model's own distributions, verified by one batched forward (lossless)")
+    p.add_argument("--draft-positions", type=COUNT, default=2, help="for distilled-self-spec and distilled-ar-drafted: "
+                   "positions drafted a round (from the model's own distributions, or by --student-draft), verified by "
+                   "one batched forward (lossless)")
     p.add_argument("--revise", type=COUNT_OR_NONE, default=4, help="self-correction steps per block, for diffusion-revise")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
     curve = p.add_argument_group("--curve: tokens per forward against quality")
@@ -98,6 +104,8 @@ def parse_args(argv=None):
                        "bounds over the lowest-entropy positions (remasking low_entropy: fair samples, not modes)")
     curve.add_argument("--self-spec-drafts", type=number_list(COUNT), default=[], help="comma list: self-speculative "
                        "points, left to right one token per step exactly, this many positions drafted a round")
+    curve.add_argument("--ar-drafted-drafts", type=number_list(COUNT), default=[], help="comma list: the same, the "
+                       "positions drafted by --student-draft (an AR draft)")
     curve.add_argument("--data", help="TinyStories-format file: T = 0 agreement on 32 openings of its validation split")
     curve.add_argument("--plot", help="write the curve as a PNG here (needs matplotlib)")
     curve.add_argument("--json", help="write the curve's rows as JSON here")
@@ -112,7 +120,7 @@ def load_models(args) -> tuple[dict, str]:
     models, routing = {}, ""
     for key in ("mdlm", "student"):
         if getattr(args, key):
-            models[key], ckpt = load_model(getattr(args, key), args.device, kinds=("mdlm", "mdlm-moe"))
+            models[key], ckpt = load_model(getattr(args, key), args.device, kinds=DIFFUSION_KINDS)
             if key == "mdlm":
                 config = routing_from_flags(models[key], ckpt["kind"], args.mdlm, args.routing, args.route_threshold,
                                             args.route_guard, args.route_mask_vote)
@@ -121,7 +129,7 @@ def load_models(args) -> tuple[dict, str]:
                     if config.routing == "block":
                         routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
                                     f"mask vote {config.route_mask_vote:g})")
-    for key in ("ar", "draft"):  # the AR baseline may be an ar-moe (float or FP4 experts); a draft is dense
+    for key in ("ar", "draft", "student_draft"):  # the AR baseline may be an ar-moe (float or FP4 experts); a draft is dense
         if getattr(args, key):
             models[key], _ = load_model(getattr(args, key), args.device, kinds=AR_KINDS if key == "ar" else ("ar",))
     return models, routing
@@ -133,6 +141,10 @@ def check_args(args):
         raise UserError("nothing to sample from; pass --mdlm, --student and/or --ar checkpoints")
     if args.draft and not (args.curve and args.ar):
         raise UserError("--draft adds the speculative point of --curve: pass --curve and --ar (its target)")
+    if args.student_draft and not args.student:
+        raise UserError("--student-draft drafts for --student: pass --student too")
+    if args.ar_drafted_drafts and not args.student_draft:
+        raise UserError("--ar-drafted-drafts needs --student-draft, the AR draft that proposes the positions")
     for key in ("json", "plot"):  # written at the end: a folder that is not there fails now, not then
         check_output(getattr(args, key), f"--{key}")
     if args.plot and find_spec("matplotlib") is None:  # before the minutes of sampling, not after
@@ -160,7 +172,7 @@ def run_curve(args, models, judge):
     if args.data:  # read before the sampling: a bad file fails in seconds, not after the curve
         _, val_path = prepare_tokens(args.data)
         prompts = [[EOT] + o for o in story_openings(load_tokens(val_path), 32, 8, seed=0)]
-    paths = {key: getattr(args, key) for key in ("mdlm", "student", "ar", "draft")}
+    paths = {key: getattr(args, key) for key in ("mdlm", "student", "ar", "draft", "student_draft")}
     rows, reference, y_max = curve_rows(models, paths, judge, args, reused)
     if args.data:
         greedy = args.mdlm or args.student  # the teacher's text, or the student's own without one
@@ -206,10 +218,12 @@ def main(argv=None):
     tokenizer = Tokenizer()
     rows = []
     for name in wanted:
-        key, sample = SAMPLERS[name]
-        if key not in models:
+        keys, sample = SAMPLERS[name]
+        keys = (keys,) if isinstance(keys, str) else keys
+        if not set(keys) <= models.keys():
             continue
-        judged = sample_and_judge(lambda p, g: sample(models[key], p, args, g), judge, args.samples, args.device, name)
+        judged = sample_and_judge(lambda p, g: sample(*(models[k] for k in keys), p, args, g), judge, args.samples,
+                                  args.device, name)
         rows.append({"sampler": name, **judged, "example": tokenizer.decode(judged["stories"][0]).replace("\n", " ")})
     print(f"{args.samples} samples x {args.gen_length} tokens, temperature {args.temperature}, judge {args.judge}{routing}")
     print(f"{'sampler':<22}{'fwd/token':>10}{'gen ppl':>10}{'95% interval':>18}{'distinct-2':>12}")

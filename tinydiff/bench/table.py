@@ -21,7 +21,9 @@ the most confident (a fair sample of each position rather than its mode: sampler
 `diffusion-distilled-self-spec-k<k>` samples the distilled model one token per step left to right,
 exactly, with k positions a round drafted from its own distributions and verified by one batched
 forward (self_speculative.py; tau counts the batched forward once, the block's first forward too);
-k = 1 is that sampler itself, one forward a token.
+k = 1 is that sampler itself, one forward a token. `diffusion-distilled-ar-drafted-k<k>` samples the same,
+the k positions drafted by an AR draft trained on the distilled model's stories (--distilled-draft;
+drafted_diffusion.py): the draft reads the token it drafted before, where self-speculation cannot.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 `dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
 `dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
@@ -65,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--mdlm", help="masked-diffusion LM checkpoint (default: an untrained tiny model)")
     p.add_argument("--distilled", help="diffusion LM distilled for parallel decoding, train.py --distill "
                    "(default: an untrained tiny model)")
+    p.add_argument("--distilled-draft", help="AR draft for --distilled, trained on its stories (train.py --model ar "
+                   "--target DISTILLED --regenerate N), for the -ar-drafted rows (default: an untrained draft model)")
     p.add_argument("--entropy-bound", type=NATS, default=0.5, help="nats, for the *-entropy rows (EB-Sampler)")
     p.add_argument("--min-confidence", type=PROBABILITY, default=0.3, help="for the dflash-*-sched rows: verify "
                    "the drafts before the first one the drafter gives under this probability")
