@@ -282,7 +282,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(T)
         if head_at is not None:  # one position per row: the same for all (an int), or each row's own (B,)
-            x = x[:, head_at:head_at + 1] if isinstance(head_at, int) else x[torch.arange(B, device=x.device), head_at][:, None]
+            rows = torch.arange(B, device=x.device)
+            x = x[:, head_at:head_at + 1] if isinstance(head_at, int) else x[rows, head_at][:, None]
         else:
             x = x[:, head_from:]
         logits = F.linear(self.norm(x), self.embed.weight)  # (B, T - head_from or 1, V), tied head

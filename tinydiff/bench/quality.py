@@ -129,7 +129,8 @@ def load_models(args) -> tuple[dict, str]:
                     if config.routing == "block":
                         routing += (f" (threshold {config.route_threshold}, guard {config.route_guard}, "
                                     f"mask vote {config.route_mask_vote:g})")
-    for key in ("ar", "draft", "student_draft"):  # the AR baseline may be an ar-moe (float or FP4 experts); a draft is dense
+    for key in ("ar", "draft", "student_draft"):  # the AR baseline may be an ar-moe (float or FP4 experts); a
+        # draft is dense
         if getattr(args, key):
             models[key], _ = load_model(getattr(args, key), args.device, kinds=AR_KINDS if key == "ar" else ("ar",))
     return models, routing
