@@ -281,10 +281,11 @@ class Transformer(nn.Module):
                 hidden[i + 1] = x
         if cache is not None:
             cache.advance(T)
-        if head_at is not None:  # one position per row: the same for all (an int), or each row's own (B,)
-            rows = torch.arange(B, device=x.device)
-            x = x[:, head_at:head_at + 1] if isinstance(head_at, int) else x[rows, head_at][:, None]
-        else:
+        if head_at is None:
             x = x[:, head_from:]
+        elif isinstance(head_at, int):  # one position per row: the same for all ...
+            x = x[:, head_at:head_at + 1]
+        else:  # ... or each row's own (B,)
+            x = x[torch.arange(B, device=x.device), head_at][:, None]
         logits = F.linear(self.norm(x), self.embed.weight)  # (B, T - head_from or 1, V), tied head
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])

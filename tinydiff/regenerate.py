@@ -46,6 +46,19 @@ def story_openings(tokens, n: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in tokens[s:s + length]] for s in picks]
 
 
+def next_tokens(logits, temperature: float, opening: bool, generator):
+    """Each row's next token (rows,) from its logits (rows, V): in a story's opening at temperature 1,
+    never EOT (a sampled opening), else at `temperature`."""
+    if opening:
+        logits[:, EOT] = float("-inf")
+    return sample(next_token_probs(logits, 1.0 if opening else temperature, None, None), generator)
+
+
+def up_to_eot(rows: list[list[int]]) -> list[list[int]]:
+    """Each row cut after its first EOT (kept whole where it has none)."""
+    return [row[:row.index(EOT) + 1] if EOT in row else row for row in rows]
+
+
 @torch.no_grad()
 def continue_batch(target, prompts: list[list[int]], temperature: float, generator,
                    sample_first: int = 0) -> list[list[int]]:
@@ -62,17 +75,12 @@ def continue_batch(target, prompts: list[list[int]], temperature: float, generat
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(target.config.context - len(prompts[0])):
         logits = target(x, cache=cache, causal=True)[:, -1]  # (rows, V)
-        opening = out.shape[1] < sample_first
-        if opening:
-            logits[:, EOT] = float("-inf")
-        probs = next_token_probs(logits, 1.0 if opening else temperature, None, None)
-        x = sample(probs, generator)[:, None]  # (rows, 1)
+        x = next_tokens(logits, temperature, out.shape[1] < sample_first, generator)[:, None]  # (rows, 1)
         out = torch.cat([out, x], 1)
         ended |= x[:, 0] == EOT
         if ended.all():
             break
-    rows = out.tolist()
-    return [row[:row.index(EOT) + 1] if EOT in row else row for row in rows]
+    return up_to_eot(out.tolist())
 
 
 @torch.no_grad()
@@ -97,14 +105,10 @@ def continue_diffusion_batch(target, prompts: list[list[int]], temperature: floa
     for lo in range(P, P + gen_length, block_length):
         for i in range(lo, lo + block_length):
             logits = prefix_cached_logits(target, canvas, cache, lo, P, block_length, at=i - lo)[:, 0]  # (rows, V)
-            opening = i - P < sample_first
-            if opening:
-                logits[:, EOT] = float("-inf")
-            canvas[:, i] = sample(next_token_probs(logits, 1.0 if opening else temperature), generator)
+            canvas[:, i] = next_tokens(logits, temperature, i - P < sample_first, generator)
         if (canvas[:, P:lo + block_length] == EOT).any(1).all():  # every story has ended
             break
-    rows = canvas[:, P:].tolist()
-    return [row[:row.index(EOT) + 1] if EOT in row else row for row in rows]  # a break: every row has one
+    return up_to_eot(canvas[:, P:].tolist())  # after a break every row has an EOT: no MASK is left in
 
 
 def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature: float = 0.0,
