@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
+from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer, rope_table
 from tinydiff.sampling import warp
+from tinydiff.tokenizer import EOT, MASK
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -139,6 +141,23 @@ def check_block_counts(out, stats, rounds, B, prompt_length):
     assert accepted == sum(n * c for n, c in enumerate(stats.accepted))
     assert_acceptance(stats, rounds, accepted)
     assert stats.tau == len(out) / stats.rounds and 1 <= stats.tau <= B
+
+
+def assert_refuses_what_block_drafting_refuses(decode, target, drafter):
+    """test_dflash_decode's and test_ddtree's common refusals, each a UserError: a block size the drafter
+    cannot fill, a drafter that is not a DFlashDrafter, an empty prompt, MASK in the prompt, a negative
+    temperature. decode is dflash_generate or ddtree_generate."""
+    for B in (1, 9, 4.0):
+        with pytest.raises(UserError, match="block size"):
+            decode(target, drafter, [1, 2], 5, block_size=B)
+    with pytest.raises(UserError, match="DFlashDrafter"):
+        decode(target, target, [1, 2], 5)
+    with pytest.raises(UserError, match="empty"):
+        decode(target, drafter, [], 5)
+    with pytest.raises(UserError, match="MASK"):
+        decode(target, drafter, [EOT, MASK], 5)
+    with pytest.raises(UserError, match="temperature"):
+        decode(target, drafter, [1, 2], 5, temperature=-1)
 
 
 def assert_acceptance(stats, rounds, accepted):

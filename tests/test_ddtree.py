@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint, assert_same,
+                           assert_refuses_what_block_drafting_refuses,
                            check_block_counts, exact_joint, float64, random_drafter, random_model, recorded_run,
                            sample_counts)
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
@@ -242,17 +243,7 @@ def test_bad_input_is_a_clear_error(models):
     for budget in (0, -3, 2.5, None):
         with pytest.raises(UserError, match="budget"):
             ddtree_generate(target, drafter, [1, 2], 5, budget=budget)
-    for B in (1, 9, 4.0):
-        with pytest.raises(UserError, match="block size"):
-            ddtree_generate(target, drafter, [1, 2], 5, block_size=B)
-    with pytest.raises(UserError, match="DFlashDrafter"):
-        ddtree_generate(target, target, [1, 2], 5)
-    with pytest.raises(UserError, match="empty"):
-        ddtree_generate(target, drafter, [], 5)
-    with pytest.raises(UserError, match="MASK"):
-        ddtree_generate(target, drafter, [EOT, MASK], 5)
-    with pytest.raises(UserError, match="temperature"):
-        ddtree_generate(target, drafter, [1, 2], 5, temperature=-1)
+    assert_refuses_what_block_drafting_refuses(ddtree_generate, target, drafter)
     with pytest.raises(UserError, match="max new tokens"):
         ddtree_generate(target, drafter, [1, 2], 39)
 
