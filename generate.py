@@ -38,7 +38,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
-from tinydiff.compiled import compile_seconds, hot_steps, wrap
+from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
@@ -48,6 +48,7 @@ from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.fused_round import PREFILL_CHUNK, FusedAR, fused_ar_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.self_speculative import ORDERS, self_speculative_generate
@@ -315,8 +316,11 @@ def main(argv=None):
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method
-        if method == "ar":
-            (model,) = compiled(args, "ar", target=model)
+        if method == "ar" and args.compile:  # each step and its draw one graph (fused_round.py)
+            fused = FusedAR(StaticModel(model, (PREFILL_CHUNK,), args.compile), args.compile)
+            args.compiled_models = [fused]
+            ids, result = fused_ar_generate(fused, prompt, args.max_new_tokens, *warping, generator)
+        elif method == "ar":
             ids, result = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
         else:
             ids, result = run_speculative(model, prompt, args, generator, warping)

@@ -1,6 +1,7 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
-Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers, with each hot step compiled
+Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
+fused_round.py's graphs of a whole AR step or speculative round), with each hot step compiled
 by inductor with fullgraph=True (a graph break is an error), gives the eager loop's tokens at
 temperature 0 and its samples with the same seed at temperature 1; after every round the static
 caches hold the eager caches' rows; the hot steps really ran compiled; misuse is a one-line error.
@@ -14,13 +15,15 @@ from eagle_models import random_head
 from stats_helpers import EXACT, assert_same, float64, perturbed, random_drafter, random_model
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel, compile_step, inductor_settings, wrap
+from tinydiff.compiled import StaticCache, StaticDrafter, StaticModel, Wrapped, compile_step, inductor_settings, wrap
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
+                                  fused_speculative_generate)
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
 from tinydiff.speculative import speculative_generate
@@ -49,13 +52,16 @@ def eager():
 
 @pytest.fixture(scope="module")
 def static(eager):
-    return {"target": StaticModel(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1)),
-            "draft": StaticModel(eager["draft"], hot=(1,)),
-            "draft_fr": StaticModel(eager["draft_fr"], hot=(1,)),
-            "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K),
-            "drafter": StaticDrafter(eager["drafter"]),
-            "head": eager["head"],  # the head's few tiny forwards stay eager
-            "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
+    models = {"target": StaticModel(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK)),
+              "draft": StaticModel(eager["draft"], hot=(1,)),
+              "draft_fr": StaticModel(eager["draft_fr"], hot=(1,)),
+              "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K, hot=(1, 2, PREFILL_CHUNK)),
+              "drafter": StaticDrafter(eager["drafter"]),
+              "head": eager["head"],  # the head's few tiny forwards stay eager
+              "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
+    # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
+    return {**models, "ar_fused": FusedAR(models["target"]),
+            "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"])}
 
 
 def decode(method, models, temperature, on_round=None):
@@ -64,6 +70,13 @@ def decode(method, models, temperature, on_round=None):
     t, common = models["target"], {"temperature": temperature, "generator": g, "stop_token": None}
     if method == "ar":
         return ar_generate(t, PROMPT, NEW, **common)[0]
+    if method == "ar-fused":  # eagerly: plain ar_generate
+        return fused_ar_generate(models["ar_fused"], PROMPT, NEW, **common)[0] if "ar_fused" in models \
+            else ar_generate(t, PROMPT, NEW, **common)[0]
+    if method == "spec-fr-fused" and "spec_fused" in models:
+        return fused_speculative_generate(models["spec_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
+    if method == "spec-fr-fused":  # eagerly: the plain pruned draft and its eager round
+        method = "spec-fr"
     if method == "spec":
         return speculative_generate(t, models["draft"], PROMPT, NEW, K, on_round=on_round, **common)[0]
     if method == "spec-fr":
@@ -83,7 +96,8 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "spec", "spec-fr", "spec-fr-round", "dflash", "ddtree", "eagle3", "diffusion-cached"]
+METHODS = ["ar", "ar-fused", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "ddtree", "eagle3",
+           "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -92,7 +106,7 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
     assert decode(method, static, temperature) == decode(method, eager, temperature)
 
 
-@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "dflash", "ddtree", "eagle3"])
+@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "ddtree", "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -116,10 +130,12 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     for method in METHODS:
         decode(method, static, 0.0)
     compiled_counts = {key[0] for key in static["target"].step.seen}
-    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1} <= compiled_counts
+    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK} <= compiled_counts  # the fused loops' prefill
     assert static["drafter"].step.seen == {BLOCK}
     assert {key[0] for key in static["draft"].step.seen} == {key[0] for key in static["draft_fr"].step.seen} == {1}
     assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
+    assert (0.0, None, None) in static["ar_fused"].step.seen
+    assert {key[0] for key in static["spec_fused"].round.seen} == {1, 2}  # the whole round ran as one graph
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
     assert static["draft_fr_round"].compile_seconds > static["draft_fr_round"].step.compile_seconds  # the chain's counted
     assert isinstance(static["target"].new_cache(1), StaticCache)
@@ -132,7 +148,8 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
-    steps = [m.step for name, m in static.items() if name != "head"] + [static["draft_fr_round"].chain]
+    fused = [static["ar_fused"].step, static["spec_fused"].round]
+    steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)
 

@@ -300,8 +300,11 @@ def test_bench_compile_counts_as_eager_and_times_compiling_apart(ckpt, mdlm_ckpt
     eager, compiled = bench.main(args), bench.main(args + ["--compile"])
     out = capsys.readouterr().out
     for plain, static in zip(eager["rows"], compiled["rows"]):
-        for key in ("target_forwards_per_token", "accepted_hist"):  # greedy: the same rounds, compiled or not
-            assert plain.get(key) == static.get(key)
+        assert plain.get("accepted_hist") == static.get("accepted_hist")  # greedy: the same rounds, compiled or not
+        # Fused `ar` (fused_round.py) reads the prompt in forwards of its own (chunks of 8 tokens): whole
+        # forwards more a prompt of 6 new tokens, at least one.
+        extra = 6 * (static["target_forwards_per_token"] - plain["target_forwards_per_token"])
+        assert extra == 0 if plain["method"] != "ar" else extra == pytest.approx(round(extra)) and round(extra) >= 1
     rows = {r["method"]: r for r in compiled["rows"]}
     assert rows["ar"]["compiled"] and rows["spec-k2"]["compiled"] and rows["spec-k2"]["compile_seconds"] > 0
     assert rows["diffusion"]["compiled"] is False and "diffusion: eager (--compile does not cover it)" in out
@@ -358,6 +361,41 @@ def test_bench_takes_a_late_compile_out_of_the_phase_it_fell_in(tiny_model):
     assert len(calls) == 5  # one warm-up prompt (it compiled nothing), then the four timed
     assert row["tokens_per_s"] == 12 / 4.0
     assert row["us_per_round"] == {"draft": 0.25e6, "verify": 0.5e6, "host": 0.25e6}
+
+
+@pytest.mark.parametrize("method", ["ar", "spec-k2-fr"])
+def test_bench_compile_runs_ar_and_fr_rows_on_fused_rounds(tiny_model, method):
+    """With --compile, `ar` and the -fr rows decode through fused_round.py (here with the graphs run
+    eagerly: compile mode False): the same rounds as the eager rows, and one more target forward (the
+    prompt read apart)."""
+    from types import SimpleNamespace
+
+    from tinydiff.bench.methods import METHODS, compiled_models
+    from tinydiff.frequent_vocab import FrequentVocabDraft
+    models = {"target": tiny_model, "draft_fr": FrequentVocabDraft(tiny_model, torch.arange(0, 50000, 50))}
+    args = SimpleNamespace(compile=False, new_tokens=12, temperature=1.0)
+    fused = compiled_models(method, models, args)
+    assert "fused" in fused
+    prompt = [EOT, 3, 4]
+    plain = METHODS[method](models, prompt, args, torch.Generator().manual_seed(0))
+    ours = METHODS[method](fused, prompt, args, torch.Generator().manual_seed(0))
+    assert ours["new_tokens"] == plain["new_tokens"] == 12 and ours.get("accepted") == plain.get("accepted")
+    assert ours["target_forwards"] == plain["target_forwards"] + 1
+
+
+def test_bench_times_a_round_run_as_one_graph_in_all():
+    """A fused round (fused_round.py) is not split into drafting and verifying: its row gives the whole
+    round's microseconds, and no loop costs."""
+    from types import SimpleNamespace
+
+    from tinydiff.bench.measure import measure
+
+    def method(models, prompt, args, generator):  # two rounds a prompt, 0.5 s each
+        return {"new_tokens": 5, "target_forwards": 2, "proposed": 4, "accepted": [0, 1, 1], "rejected": 1,
+                "slot_judged": [2, 1], "slot_kept": [2, 1], "seconds": 1.0}
+
+    row = measure(method, {}, [[1], [2]], SimpleNamespace(device="cpu", seed=0))
+    assert row["us_per_round"] == {"in all": 0.5e6} and "seconds_per_draft" not in row
 
 
 def test_bench_interleave_times_every_method_on_a_prompt_before_the_next():

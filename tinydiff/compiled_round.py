@@ -20,7 +20,7 @@ from tinydiff.compiled import Compiled, StaticModel, detach_outputs, static_forw
 from tinydiff.errors import UserError
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.kernels import kernels_enabled
-from tinydiff.sampling import warp
+from tinydiff.sampling import inverse_cdf, warp
 
 
 def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args):
@@ -38,8 +38,7 @@ def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args)
         if greedy:
             pick = q.argmax().view(1)  # (1,)
         else:  # sampling.sample's inverse CDF, with the uniform it would draw
-            cdf = q.double().cumsum(-1)  # (N,)
-            pick = torch.searchsorted(cdf, u[j] * cdf[-1:], right=True).clamp_max(len(cdf) - 1)  # (1,)
+            pick = inverse_cdf(q[None], u[j:j + 1])  # (1,)
         token = ids.index_select(0, pick)  # (1,): a tensor index, never a host integer
         drafts.append(token)
         qs.append(q)
@@ -52,12 +51,13 @@ def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args)
 class StaticSubsetDraft(StaticModel):
     """A StaticModel of a FrequentVocabDraft whose rounds of k drafts run as one compiled draft_chain
     (one graph for each count of catch-up tokens, 1 or 2). `propose` is the round, a drop-in for
-    subset_draft_round in speculative_generate; a round of another length runs that eager round."""
+    subset_draft_round in speculative_generate; a round of another length runs that eager round.
+    `hot`: the token counts its own forward compiles (a prefill chunk too, for fused_round.py)."""
 
-    def __init__(self, draft: FrequentVocabDraft, k: int, compile=True):
+    def __init__(self, draft: FrequentVocabDraft, k: int, compile=True, hot=(1, 2)):
         if not isinstance(draft, FrequentVocabDraft):
             raise UserError("a compiled drafting round needs FR-Spec's pruned draft (FrequentVocabDraft)")
-        super().__init__(draft, hot=(1, 2), compile=compile)
+        super().__init__(draft, hot=hot, compile=compile)
         self.k = k
         self.chain = Compiled(lambda *a: draft_chain(draft.draft, draft.rows, draft.ids, *a),
                               draft.embed.weight.device, (1, 2), compile)

@@ -63,10 +63,16 @@ def sample(probs, generator: torch.Generator | None = None):
     top = flat.max(-1)
     if bool((top.values == 1).all()):  # greedy rows: their id is certain, spend no random number
         return top.indices.view(probs.shape[:-1])
-    cdf = flat.double().cumsum(-1)  # (N, V)
-    u = torch.rand(len(flat), 1, generator=generator, device=flat.device, dtype=torch.float64) * cdf[:, -1:]
-    ids = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(flat.shape[-1] - 1)  # first id whose CDF passes u
-    return ids.view(probs.shape[:-1])
+    u = torch.rand(len(flat), 1, generator=generator, device=flat.device, dtype=torch.float64)  # (N, 1)
+    return inverse_cdf(flat, u).view(probs.shape[:-1])
+
+
+def inverse_cdf(probs, u):
+    """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id
+    whose float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled
+    graphs' (compiled_round.py, fused_round.py), which draw their uniforms before they run."""
+    cdf = probs.double().cumsum(-1)  # (N, V)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)  # (N,)
 
 
 def residual(p, q):

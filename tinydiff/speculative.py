@@ -124,12 +124,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         p = target_probs(target, target_cache, seq, drafts, warp_args)
         n, token = verify(p, q, drafts, generator)  # int(): waits for the GPU
         tally.clock(t0, t1, time.perf_counter())
-        tokens = drafts[:n].tolist() + [token]
-        tokens, stopped = cut_at_stop(tokens, stop_token)
-        seq += tokens
-        out += tokens
-        target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
-        draft_cache.crop(min(draft_cache.length, len(seq) - 1))
+        tokens, stopped = commit(seq, out, drafts[:n].tolist() + [token], stop_token, target_cache, draft_cache)
         tally.add(n, n_drafts, n_drafts)  # one draft forward per draft
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
@@ -137,6 +132,18 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
         if stopped:
             break
     return out, tally.result(out, device)
+
+
+def commit(seq: list, out: list, tokens: list, stop_token, target_cache, draft_cache) -> tuple[list, bool]:
+    """A round's tokens (kept drafts, then the target's own) onto seq and out, cut after the stop token;
+    both caches rolled back: rejected drafts dropped, the newest token left for the next round to read.
+    Returns (the tokens committed, whether the stop token came)."""
+    tokens, stopped = cut_at_stop(tokens, stop_token)
+    seq += tokens
+    out += tokens
+    target_cache.crop(len(seq) - 1)
+    draft_cache.crop(min(draft_cache.length, len(seq) - 1))
+    return tokens, stopped
 
 
 def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:

@@ -152,6 +152,8 @@ def summarise(totals: dict, n_prompts: int) -> dict:
         row["us_per_round"] = {"draft": 1e6 * totals["draft_seconds"] / rounds,
                                "verify": 1e6 * totals["verify_seconds"] / rounds,
                                "host": 1e6 * (totals["seconds"] - totals["draft_seconds"] - totals["verify_seconds"]) / rounds}
+    elif "accepted" in totals:  # a round run as one graph (fused_round.py) has no stages to split
+        row["us_per_round"] = {"in all": 1e6 * totals["seconds"] / sum(totals["accepted"])}
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))

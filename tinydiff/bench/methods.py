@@ -15,7 +15,7 @@ import re
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import hot_steps, wrap
+from tinydiff.compiled import StaticModel, hot_steps, wrap
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
@@ -24,6 +24,8 @@ from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
+from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
+                                  fused_speculative_generate)
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import draft_round, speculative_generate
@@ -31,9 +33,10 @@ from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
 def run_ar(models, prompt, args, generator):
-    """Plain KV-cached decoding with the target: one forward per token."""
-    ids, result = ar_generate(models["target"], prompt, args.new_tokens, args.temperature,
-                              generator=generator, stop_token=None)
+    """Plain KV-cached decoding with the target: one forward per token (with --compile, each step and
+    its draw one graph: fused_round.py)."""
+    decode, model = (fused_ar_generate, models["fused"]) if "fused" in models else (ar_generate, models["target"])
+    ids, result = decode(model, prompt, args.new_tokens, args.temperature, generator=generator, stop_token=None)
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
 
@@ -77,9 +80,13 @@ def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_ro
 
 def run_spec_fr(models, prompt, args, generator, k):
     """spec with FR-Spec's draft: its head scores only the --draft-vocab ids most frequent in --data,
-    and it samples among them (with --compile, each round is one compiled graph: compiled_round.py)."""
-    propose = getattr(models["draft_fr"], "propose", subset_draft_round)
-    return run_spec(models, prompt, args, generator, k, draft="draft_fr", propose=propose)
+    and it samples among them (with --compile, each round, drafts, verify and verdict, is one compiled graph:
+    fused_round.py)."""
+    if "fused" not in models:
+        return run_spec(models, prompt, args, generator, k, draft="draft_fr", propose=subset_draft_round)
+    ids, result = fused_speculative_generate(models["fused"], prompt, args.new_tokens, args.temperature,
+                                             generator=generator, stop_token=None)
+    return chain_counts(ids, result)
 
 
 def chain_counts(ids, result):
@@ -237,12 +244,13 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
     mode = args.compile
-    if method == "ar":
-        return wrap(models, hot_steps("ar"), mode)
-    if method in FR_ROWS:  # the pruned draft's whole round is one graph
+    if method == "ar":  # the step and its draw: one graph; the prompt in compiled chunks
+        return {**models, "fused": FusedAR(StaticModel(models["target"], (PREFILL_CHUNK,), mode), mode)}
+    if method in FR_ROWS:  # the whole round: one graph
         k = draft_count(method)
-        return {**wrap(models, {"target": spec_hot(k)["target"]}, mode),
-                "draft_fr": StaticSubsetDraft(models["draft_fr"], k, mode)}
+        target = StaticModel(models["target"], spec_hot(k)["target"] + (PREFILL_CHUNK,), mode)
+        draft = StaticSubsetDraft(models["draft_fr"], k, mode, hot=(1, 2, PREFILL_CHUNK))
+        return {**models, "fused": FusedSpeculation(target, draft, mode)}
     if method.startswith("spec-k"):
         return wrap(models, spec_hot(draft_count(method)), mode)
     if block_of(method):

@@ -152,7 +152,7 @@ def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict],
         if row["method"].startswith("spec-") and row.get("alpha") is not None:
             k = draft_count(row["method"])
             row["predicted_speedup"] = leviathan_speedup(row["alpha"], k, c)
-            if ar_speed:  # the same formula, each cost in `ar` steps as the loop paid it
+            if ar_speed and "seconds_per_draft" in row:  # the same formula, each cost in `ar` steps as the loop paid it
                 row["loop_c"], row["loop_v"] = row["seconds_per_draft"] * ar_speed, row["seconds_per_verify"] * ar_speed
                 row["predicted_at_loop_costs"] = (expected_tokens_per_round(row["alpha"], k)
                                                   / (k * row["loop_c"] + row["loop_v"]))

@@ -1,0 +1,154 @@
+"""Spec: fused_round.py's graphs (an AR step with its draw, a speculative round with its verdict) decide
+exactly what the eager loops decide. `verdict` is speculative.verify given the numbers verify draws:
+the same accepted count and token for every p, q and draft, greedy included. The fused loops, run here
+uncompiled (compile=False: the same functions, eagerly; tests/test_compiled.py runs them compiled),
+commit the eager loops' tokens from the same seeds at every warp, with the same counts and the same
+cache rows after every round, stop where they stop, and refuse what they refuse. Being the eager
+loops' tokens draw for draw, their samples follow the target's distribution as those do
+(test_speculative.py's chi-square tests). The models are float64: two paths differ by float64
+rounding only, far below any sampling boundary."""
+import pytest
+import torch
+from stats_helpers import assert_caches_equal, assert_same, float64, one_thread, perturbed, random_model  # noqa: F401 (one_thread: autouse)
+
+from tinydiff.ar import ar_generate
+from tinydiff.compiled import StaticModel
+from tinydiff.compiled_round import StaticSubsetDraft
+from tinydiff.errors import UserError
+from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
+                                  fused_speculative_generate, prefill, verdict)
+from tinydiff.model import ModelConfig
+from tinydiff.speculative import speculative_generate, verify
+
+PROMPT, NEW, K = [3, 1, 4, 1, 5], 24, 3
+WARPS = [(0.0, None, None), (1.0, None, None), (0.8, 5, None), (1.3, None, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
+    (target,) = float64(target)
+    # Close to the target, so that rounds accept every draft too; ids that are multiples of 9 only come
+    # back through the residual.
+    draft = FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])
+    ar = FusedAR(StaticModel(target, (), compile=False), compile=False)
+    spec = FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(draft, K, compile=False),
+                            compile=False)
+    return target, draft, ar, spec
+
+
+def test_verdict_is_verifys_rule_with_the_numbers_verify_draws():
+    g = torch.Generator().manual_seed(0)
+    V, outcomes = 12, set()
+    for trial in range(400):
+        sharp = 0.3 + 3 * torch.rand((), generator=g)  # from near-uniform rows to near-one-hot ones
+        p = torch.softmax(sharp * torch.randn(K + 1, V, generator=g, dtype=torch.float64), -1)
+        q = torch.softmax(sharp * torch.randn(K, V, generator=g, dtype=torch.float64), -1)
+        if trial % 4 == 0:  # a draft near the target: full acceptances
+            q = 0.9 * p[:K] + 0.1 * q
+        drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+        state = g.get_state()
+        n, token = verify(p, q, drafts, g)
+        g.set_state(state)  # the same numbers, drawn as the fused round draws them
+        u_accept = torch.rand(K, generator=g)
+        u_last = torch.rand(1, 1, generator=g, dtype=torch.float64)
+        ours = verdict(p, q, drafts, u_accept, u_last, greedy=False)
+        assert (int(ours[0]), int(ours[1])) == (n, token)
+        outcomes.add(n)
+    assert outcomes == set(range(K + 1))  # every accepted count was met, full acceptances included
+    for trial in range(50):  # greedy: one-hot rows, no number for the last draw
+        p = torch.nn.functional.one_hot(torch.randint(0, V, (K + 1,), generator=g), V).double()
+        drafts = torch.where(torch.rand(K, generator=g) < 0.7, p[:K].argmax(-1), torch.randint(0, V, (K,), generator=g))
+        q = torch.nn.functional.one_hot(drafts, V).double()
+        n, token = verify(p, q, drafts, torch.Generator().manual_seed(trial))
+        ours = verdict(p, q, drafts, torch.rand(K, generator=torch.Generator().manual_seed(trial)), None, greedy=True)
+        assert (int(ours[0]), int(ours[1])) == (n, token)
+
+
+@pytest.mark.parametrize("length", [1, 5, 8, 20, 36])
+def test_a_chunked_prefill_reads_the_prompt_as_one_forward_does(length):
+    # A context of 37: a 36-token prompt's last chunk has no room for its padding and is read as it is.
+    config = ModelConfig(vocab_size=64, context=37, n_layer=2, n_head=2, d_model=32, d_ff=64)
+    (target,) = float64(random_model(config, seed=1))
+    prompt = torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    static = StaticModel(target, (), compile=False)
+    cache, reference = static.new_cache(1), target.new_cache(1)
+    logits, forwards = prefill(static, cache, prompt)
+    expected = target(torch.tensor([prompt]), cache=reference, causal=True)[:, -1]
+    assert forwards == -(-length // PREFILL_CHUNK) and cache.length == reference.length == length
+    assert_same(logits, expected)
+    assert_caches_equal((cache, reference))  # the padding lies past the length, unread
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_the_fused_ar_step_commits_ar_generates_tokens(models, warp):
+    target, _, ar, _ = models
+    for seed in range(3):
+        ours = fused_ar_generate(ar, PROMPT, NEW, *warp, generator=torch.Generator().manual_seed(seed), stop_token=None)
+        theirs = ar_generate(target, PROMPT, NEW, *warp, generator=torch.Generator().manual_seed(seed), stop_token=None)
+        assert ours[0] == theirs[0]
+        assert ours[1].forwards == theirs[1].forwards + 1 == NEW + 1  # the prompt read apart, in one chunk
+
+
+def recorded(decode, *args, **kwargs):
+    """decode's tokens, result and per round (accepted, tokens, cache copies)."""
+    rounds = []
+    def on_round(info):
+        caches = [(c.length, [t.clone() for t in c.k + c.v]) for c in (info["target_cache"], info["draft_cache"])]
+        rounds.append((info["accepted"], info["tokens"], caches))
+    out, result = decode(*args, on_round=on_round, **kwargs)
+    return out, result, rounds
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_the_fused_round_commits_speculative_generates_tokens_counts_and_caches(models, warp):
+    target, draft, _, spec = models
+    full = set()
+    for seed in range(3):
+        ours, ours_result, ours_rounds = recorded(fused_speculative_generate, spec, PROMPT, NEW, *warp,
+                                                  generator=torch.Generator().manual_seed(seed), stop_token=None)
+        theirs, result, rounds = recorded(speculative_generate, target, draft, PROMPT, NEW, K, *warp,
+                                          generator=torch.Generator().manual_seed(seed), stop_token=None,
+                                          propose=subset_draft_round)
+        assert ours == theirs and len(ours) == NEW
+        assert ours_result.accepted == result.accepted and ours_result.slot_kept == result.slot_kept
+        # The fused loop reads the prompt in a forward of its own; the eager loop's first verify reads it.
+        assert ours_result.forwards == result.forwards + 1 and ours_result.draft_forwards == result.draft_forwards
+        assert ours_result.draft_seconds is None  # a fused round has no stages to clock
+        for (n, tokens, caches), (m, reference_tokens, reference) in zip(ours_rounds, rounds, strict=True):
+            assert (n, tokens) == (m, reference_tokens)
+            for (length, rows), (reference_length, reference_rows) in zip(caches, reference):
+                assert length == reference_length
+                for a, b in zip(rows, reference_rows):
+                    torch.testing.assert_close(a[:, :, :length], b[:, :, :length], rtol=0, atol=1e-12)
+        full |= {n for n, _, _ in ours_rounds[1:]}
+    assert K in full  # a full acceptance happened, so a fused round read two catch-up tokens
+
+
+def test_the_fused_loops_stop_where_the_eager_loops_stop(models):
+    target, draft, ar, spec = models
+    g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    story = ar_generate(target, PROMPT, NEW, 1.0, generator=g(), stop_token=None)[0]
+    stop = story[NEW // 2]  # a token the story holds: both loops stop at its first appearance
+    ours = fused_ar_generate(ar, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0]
+    assert ours == ar_generate(target, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0] == \
+        story[:story.index(stop) + 1]
+    story = fused_speculative_generate(spec, PROMPT, NEW, 1.0, generator=g(), stop_token=None)[0]
+    stop = story[NEW // 2]  # a round may commit tokens past it: they are dropped
+    ours = fused_speculative_generate(spec, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0]
+    theirs = speculative_generate(target, draft, PROMPT, NEW, K, 1.0, generator=g(), stop_token=stop,
+                                  propose=subset_draft_round)[0]
+    assert ours == theirs == story[:story.index(stop) + 1]
+
+
+def test_bad_input_is_a_one_line_error(models):
+    target, draft, ar, spec = models
+    with pytest.raises(UserError, match="prompt is empty"):
+        fused_ar_generate(ar, [], 4)
+    with pytest.raises(UserError, match="temperature"):
+        fused_speculative_generate(spec, PROMPT, 4, temperature=-1.0)
+    with pytest.raises(UserError, match="max new tokens"):
+        fused_speculative_generate(spec, PROMPT, 1000)
+    with pytest.raises(UserError, match="pruned draft"):
+        FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(target, K, compile=False))

@@ -1,0 +1,206 @@
+"""Decoding rounds as single compiled graphs: an AR step with its draw, a speculative round with its verdict.
+
+compiled.py compiles each model's forward and leaves the loop around it eager: the target's warp,
+the acceptance rule, the draws, and one call into a compiled step per model per round, each of which
+checks its guards. On a CPU that host work costs about as much as a small draft's forward
+(docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
+  - `sampled_step`: an AR decoding step: the forward of the newest token, the warp, the draw;
+  - `speculative_round`: FR-Spec's k drafts (compiled_round.draft_chain), the target's forward of the
+    newest token and the drafts, its warp, Leviathan's rule (`verdict`) and the committed token's
+    draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
+The graphs' uniforms are drawn before they run, from the loop's generator and in the eager loop's
+order (the drafts', the k acceptance tests', the last draw's), so they commit the eager loop's tokens.
+One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
+at T > 0 and the graphs always spend one; both stay exact draws.
+`fused_ar_generate` and `fused_speculative_generate` are ar_generate and speculative_generate on these
+graphs. A prompt's first round (the prefill) and a story's shorter last rounds run the eager pieces
+on static models (compiled.py); every other round is one call into one graph.
+
+Leaves out: plain (unpruned) drafts, trees, DFlash and EAGLE-3 (the same verdict would serve them),
+batches, and the prefill (its length is not a fixed shape).
+"""
+import time
+
+import torch
+
+from tinydiff.ar import check_prompt
+from tinydiff.compiled import Compiled, StaticModel, static_forward
+from tinydiff.compiled_round import StaticSubsetDraft, draft_chain
+from tinydiff.kernels import kernels_enabled
+from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs, residual
+from tinydiff.speculative import check_models, commit, target_probs, verify
+from tinydiff.tally import Decoded, Tally, elapsed
+from tinydiff.tokenizer import EOT
+
+PREFILL_CHUNK = 8  # tokens a prefill forward reads: the bench's held-out openings are 8 tokens long
+
+
+def verdict(p, q, drafts, u_accept, u_last, greedy: bool):
+    """speculative.verify with its uniforms given, and no host synchronisation.
+
+    p (K+1, V), q (K, V), drafts (K,) as there; u_accept (K,) the acceptance tests' uniforms, u_last
+    (1, 1) float64 the committed token's (unread when greedy). Returns n and the token, 0-d tensors.
+    """
+    K = len(drafts)
+    rows = torch.arange(K, device=p.device)
+    n = (u_accept * q[rows, drafts] < p[rows, drafts]).long().cumprod(0).sum()  # (): the accepted prefix
+    at = n.clamp_max(K - 1).view(1)  # (1,): the rejected slot, when there is one
+    last = torch.where(n < K, residual(p.index_select(0, at), q.index_select(0, at)), p[K:])  # (1, V)
+    token = last.argmax(-1) if greedy else inverse_cdf(last, u_last)  # (1,)
+    return n, token[0]
+
+
+def sampled_step(model, cache, idx, rows, u, warp_args):
+    """ar_generate's step after the prefill: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
+    (unread when greedy). Returns the next token (1,)."""
+    logits, _ = static_forward(model, cache, idx, rows, rows, None)  # (1, 1, V)
+    p = next_token_probs(logits[0], *warp_args)  # (1, V)
+    return p.argmax(-1) if warp_args[0] == 0 else inverse_cdf(p, u)
+
+
+def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, rows, u_draft, u_accept, u_last,
+                      k: int, warp_args):
+    """One round of speculative_generate with FR-Spec's draft (model `draft`, head rows (N, D) for `ids` (N,)).
+
+    idx (1, T0): the committed tokens the draft's cache lacks (1, or 2 after a full acceptance) at rows
+    (T0,); the target's cache lacks only the newest, idx[0, -1]. u_draft (k, 1) float64, u_accept (k,),
+    u_last (1, 1) float64. Returns (k + 2,): the k drafts, the accepted count n, the committed token.
+    """
+    drafts, q = draft_chain(draft, head, ids, draft_cache, idx, rows, u_draft, k, warp_args)  # (K,), (K, V)
+    x = torch.cat([idx[0, -1:], drafts])[None]  # (1, K + 1): the newest token, then the drafts
+    at = rows[-1] + torch.arange(k + 1, device=idx.device)  # (K + 1,): positions, and cache rows
+    logits, _ = static_forward(target, target_cache, x, at, at, None)  # (1, K + 1, V)
+    n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last, warp_args[0] == 0)
+    return torch.cat([drafts, n.view(1), token.view(1)])
+
+
+def prefill(model: StaticModel, cache, tokens: list, chunk: int = PREFILL_CHUNK):
+    """Read tokens (a list of ids) into the empty static cache in forwards of `chunk` tokens, the last one
+    padded (with copies of the last token) to the full chunk where the context leaves room: the prompt
+    then compiles once, whatever its length, where a StaticModel compiles `chunk`. The padding's rows
+    lie past the cache's length, where the next tokens overwrite them before anything reads them.
+    Returns the last token's logits (1, V) and the number of forwards."""
+    device = model.embed.weight.device
+    forwards = 0
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start:start + chunk]
+        if start + chunk <= cache.capacity:
+            piece = piece + piece[-1:] * (chunk - len(piece))
+        logits = model(torch.tensor([piece], device=device), cache=cache, causal=True)  # (1, T, V)
+        forwards += 1
+    last = len(tokens) - 1 - start  # the last token's place in the last piece
+    cache.crop(len(tokens))
+    return logits[:, last], forwards
+
+
+def uniforms(shape, greedy: bool, generator, device, dtype=torch.float64):
+    """The numbers a sampled draw spends (zeros, none drawn, when greedy)."""
+    if greedy:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+
+
+class FusedAR:
+    """A model for fused_ar_generate: `model`, a StaticModel, reads the prompt (its prefill), and `step` is
+    sampled_step compiled (with `compile`: True, a COMPILE_MODES name, or False for eager)."""
+
+    def __init__(self, model: StaticModel, compile=True):
+        self.model = model
+        self.step = Compiled(lambda *a: sampled_step(model.module, *a), model.embed.weight.device, (1,), compile)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.model.compile_seconds + self.step.compile_seconds
+
+
+class FusedSpeculation:
+    """A target and FR-Spec's draft for fused_speculative_generate: rounds of k drafts run as one compiled
+    speculative_round (a graph for each count of catch-up tokens, 1 or 2). `target` (a StaticModel) and
+    `draft` (a StaticSubsetDraft of k drafts) run the rounds of other shapes with the eager rule: compile
+    the target for every verify length 1..k + 1 and a story's last rounds stay compiled too."""
+
+    def __init__(self, target: StaticModel, draft: StaticSubsetDraft, compile=True):
+        self.target, self.draft, self.k = target, draft, draft.k
+        pruned = draft.module
+        self.round = Compiled(lambda *a: speculative_round(target.module, pruned.draft, pruned.rows, pruned.ids, *a),
+                              target.embed.weight.device, (1, 2), compile)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.target.compile_seconds + self.draft.compile_seconds + self.round.compile_seconds
+
+    def run_round(self, target_cache, draft_cache, seq, warp_args, generator):
+        """One round of k drafts after seq; both caches advanced past what the graph wrote. Returns
+        (drafts, n, token) as host values."""
+        device, k, greedy = self.draft.embed.weight.device, self.k, warp_args[0] == 0
+        T0 = len(seq) - draft_cache.length
+        idx = torch.tensor([seq[draft_cache.length:]], device=device)  # (1, T0)
+        rows = torch.arange(draft_cache.length, len(seq), device=device)  # (T0,)
+        u_draft = uniforms((k, 1), greedy, generator, device)
+        u_accept = torch.rand(k, generator=generator, device=device)  # verify draws them at T = 0 too
+        u_last = uniforms((1, 1), greedy, generator, device)
+        with kernels_enabled(False):
+            packed = self.round(T0, (T0, warp_args), target_cache, draft_cache, idx, rows, u_draft, u_accept,
+                                u_last, k, warp_args)
+        *drafts, n, token = packed.tolist()  # the round's one read-back
+        draft_cache.advance(T0 + k - 1)
+        target_cache.advance(k + 1)
+        return drafts, n, token
+
+
+@torch.no_grad()
+def fused_ar_generate(fused: FusedAR, prompt, max_new_tokens=None, temperature=1.0, top_k=None, top_p=None,
+                      generator=None, stop_token=EOT):
+    """ar.ar_generate with one compiled graph per token: the same arguments and tokens. The prompt but its
+    newest token is read first (`prefill`, counted in `forwards`); every token then comes from a step."""
+    check_warp_args(temperature, top_k, top_p)
+    model, warp_args = fused.model, (temperature, top_k, top_p)
+    n_new = check_prompt(prompt, model.config.context, max_new_tokens)
+    device = model.embed.weight.device
+    cache = model.new_cache(1)
+    start = time.perf_counter()
+    # The prompt but its newest token in chunks; then every token, the first included, is a step's draw.
+    forwards = prefill(model, cache, prompt[:-1])[1] if len(prompt) > 1 else 0
+    out = []
+    while len(out) < n_new and stop_token not in out[-1:]:
+        idx = torch.tensor([(prompt + out)[-1:]], device=device)  # (1, 1)
+        rows = torch.tensor([cache.length], device=device)  # (1,)
+        u = uniforms((1, 1), temperature == 0, generator, device)
+        with kernels_enabled(False):
+            token = fused.step(1, warp_args, cache, idx, rows, u, warp_args)
+        cache.advance(1)
+        out.append(int(token))
+    return out, Decoded(new_tokens=len(out), forwards=len(out) + forwards, seconds=elapsed(start, device))
+
+
+@torch.no_grad()
+def fused_speculative_generate(fused: FusedSpeculation, prompt, max_new_tokens, temperature=1.0, top_k=None,
+                               top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """speculative.speculative_generate with fused.k drafts a round, each full round one compiled graph:
+    the same arguments (k and the models are fused's), tokens and counts. A fused round is not split
+    into drafting and verifying: the result's draft_seconds and verify_seconds stay None."""
+    check_warp_args(temperature, top_k, top_p)
+    target, draft, k, warp_args = fused.target, fused.draft, fused.k, (temperature, top_k, top_p)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_models(target, draft, len(prompt) + n_new)
+    target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
+    seq, out, tally = list(prompt), [], Tally(k)
+    if len(prompt) > 1:  # both models read the prompt but its newest token, which the first round reads
+        tally.prefill = prefill(target, target_cache, prompt[:-1])[1]
+        prefill(draft, draft_cache, prompt[:-1])
+    while len(out) < n_new:
+        n_drafts = min(k, n_new - len(out) - 1)  # as speculative_generate: never past n_new
+        if n_drafts == k:
+            drafts, n, token = fused.run_round(target_cache, draft_cache, seq, warp_args, generator)
+        else:  # a story's short last rounds: speculative_generate's pieces
+            drafts, q = draft.propose(draft, draft_cache, seq, n_drafts, warp_args, generator)
+            n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
+            drafts = drafts.tolist()
+        tokens, stopped = commit(seq, out, drafts[:n] + [token], stop_token, target_cache, draft_cache)
+        tally.add(n, n_drafts, n_drafts)
+        if on_round is not None:
+            on_round({"drafts": drafts, "accepted": n, "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": draft_cache})
+        if stopped:
+            break
+    return out, tally.result(out, target.embed.weight.device)
