@@ -13,11 +13,12 @@ order (the drafts', the k acceptance tests', the last draw's), so they commit th
 One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
 at T > 0 and the graphs always spend one; both stay exact draws.
 `fused_ar_generate` and `fused_speculative_generate` are ar_generate and speculative_generate on these
-graphs. A prompt's first round (the prefill) and a story's shorter last rounds run the eager pieces
-on static models (compiled.py); every other round is one call into one graph.
+graphs. Both read the prompt but its newest token first (`prefill`: forwards of a fixed chunk, so the
+prompt compiles once whatever its length, counted as target forwards); then every round is one call
+into one graph, but a story's shorter last rounds, which run the eager pieces on static models.
 
 Leaves out: plain (unpruned) drafts, trees, DFlash and EAGLE-3 (the same verdict would serve them),
-batches, and the prefill (its length is not a fixed shape).
+and batches.
 """
 import time
 
@@ -32,7 +33,7 @@ from tinydiff.speculative import check_models, commit, target_probs, verify
 from tinydiff.tally import Decoded, Tally, elapsed
 from tinydiff.tokenizer import EOT
 
-PREFILL_CHUNK = 8  # tokens a prefill forward reads: the bench's held-out openings are 8 tokens long
+PREFILL_CHUNK = 8  # tokens a prefill forward reads: a bench prompt is EOT + an 8-token opening, read but its last
 
 
 def verdict(p, q, drafts, u_accept, u_last, greedy: bool):
@@ -51,7 +52,7 @@ def verdict(p, q, drafts, u_accept, u_last, greedy: bool):
 
 
 def sampled_step(model, cache, idx, rows, u, warp_args):
-    """ar_generate's step after the prefill: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
+    """An ar_generate step: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
     (unread when greedy). Returns the next token (1,)."""
     logits, _ = static_forward(model, cache, idx, rows, rows, None)  # (1, 1, V)
     p = next_token_probs(logits[0], *warp_args)  # (1, V)
