@@ -60,3 +60,22 @@ def pytest_collection_modifyitems(config, items):
     a kernel"), and the kernel tests run their kernels in it. Importing torch._dynamo does the same, so
     a test module imports it inside its compile tests, never at the top."""
     items.sort(key=lambda item: item.get_closest_marker("compile") is not None)
+
+
+# Checkpoints of untrained tiny models, as the entry points' tests (generate.py, the bench) load them.
+@pytest.fixture
+def ckpt(tmp_path, tiny_model, tiny_config):
+    from tinydiff.checkpoint import save_checkpoint
+    save_checkpoint(tmp_path / "ckpt.pt", kind="ar", config=tiny_config, model=tiny_model)
+    return tmp_path / "ckpt.pt"
+
+
+@pytest.fixture
+def mdlm_ckpt(tmp_path, tiny_config):
+    from tinydiff.checkpoint import save_checkpoint
+    from tinydiff.model import Transformer
+    config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
+    torch.manual_seed(1)
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=config, model=Transformer(config))
+    return tmp_path / "mdlm.pt"
+
