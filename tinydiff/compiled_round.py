@@ -11,8 +11,8 @@ very numbers `sampling.sample` draws one at a time; so the round commits the eag
 tempered float32 softmax can be; the chain always spends k. Both stay exact draws from q.)
 At temperature 0 the draw is the argmax and no number is spent, as in `sample`.
 
-Leaves out: the target's verify (its forward is compiled.StaticModel's; its rule stays eager),
-plain (unpruned) drafts, and batches.
+Leaves out: the target's verify (its forward is compiled.StaticModel's; its rule stays eager here,
+fused_round.py puts both in the round's graph), plain (unpruned) drafts, and batches.
 """
 import torch
 

@@ -163,14 +163,16 @@ def fused_ar_generate(fused: FusedAR, prompt, max_new_tokens=None, temperature=1
     # The prompt but its newest token in chunks; then every token, the first included, is a step's draw.
     forwards = prefill(model, cache, prompt[:-1])[1] if len(prompt) > 1 else 0
     out = []
-    while len(out) < n_new and stop_token not in out[-1:]:
-        idx = torch.tensor([(prompt + out)[-1:]], device=device)  # (1, 1)
+    while len(out) < n_new:
+        idx = torch.tensor([[out[-1] if out else prompt[-1]]], device=device)  # (1, 1): the newest token
         rows = torch.tensor([cache.length], device=device)  # (1,)
         u = uniforms((1, 1), temperature == 0, generator, device)
         with kernels_enabled(False):
             token = fused.step(1, warp_args, cache, idx, rows, u, warp_args)
         cache.advance(1)
         out.append(int(token))
+        if out[-1] == stop_token:
+            break
     return out, Decoded(new_tokens=len(out), forwards=len(out) + forwards, seconds=elapsed(start, device))
 
 
