@@ -40,7 +40,8 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
     rows = {r["method"]: r for r in report["rows"]}
     assert list(rows) == list(bench.METHODS)
     assert rows["ar"]["tau"] == 1 and rows["ar"]["target_forwards_per_token"] == 1 and rows["ar"]["speedup_vs_ar"] == 1
-    for name, k in (("spec-k2", 2), ("spec-k4", 4), ("spec-k8", 8), ("spec-k2-fr", 2), ("spec-k4-fr", 4)):
+    for name, k in (("spec-k2", 2), ("spec-k4", 4), ("spec-k8", 8), ("spec-k2-fr", 2), ("spec-k3-fr", 3),
+                    ("spec-k4-fr", 4)):
         spec = rows[name]
         assert 1 <= spec["tau"] <= k + 1 and 0 <= spec["alpha"] <= 1 and spec["predicted_speedup"] > 0
         assert spec["loop_c"] > 0 and spec["loop_v"] > 0 and spec["predicted_at_loop_costs"] == pytest.approx(

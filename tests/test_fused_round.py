@@ -1,6 +1,7 @@
 """Spec: fused_round.py's graphs (an AR step with its draw, a speculative round with its verdict) decide
 exactly what the eager loops decide. `verdict` is speculative.verify given the numbers verify draws:
-the same accepted count and token for every p, q and draft, greedy included. The fused loops, run here
+the same accepted count and token for every p, q and draft, greedy included; `sampled_verdict`, its fast
+path at a plain temperature, decides as it does. The fused loops, run here
 uncompiled (compile=False: the same functions, eagerly; tests/test_compiled.py runs them compiled),
 commit the eager loops' tokens from the same seeds at every warp, with the same counts and the same
 cache rows after every round, stop where they stop, and refuse what they refuse. Being the eager
@@ -13,13 +14,15 @@ from stats_helpers import assert_caches_equal, assert_same, float64, one_thread,
 
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import StaticModel
-from tinydiff.compiled_round import StaticSubsetDraft
+from tinydiff.compiled_round import StaticSubsetDraft, in_vocab
 from tinydiff.errors import UserError
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
-                                  fused_speculative_generate, prefill, verdict)
+                                  fused_speculative_generate, prefill, sampled_verdict, verdict)
 from tinydiff.model import ModelConfig
+from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import speculative_generate, verify
+from tinydiff.tokenizer import MASK
 
 PROMPT, NEW, K = [3, 1, 4, 1, 5], 24, 3
 WARPS = [(0.0, None, None), (1.0, None, None), (0.8, 5, None), (1.3, None, 0.9)]
@@ -64,6 +67,40 @@ def test_verdict_is_verifys_rule_with_the_numbers_verify_draws():
         n, token = verify(p, q, drafts, torch.Generator().manual_seed(trial))
         ours = verdict(p, q, drafts, torch.rand(K, generator=torch.Generator().manual_seed(trial)), None, greedy=True)
         assert (int(ours[0]), int(ours[1])) == (n, token)
+
+
+def test_the_sampled_verdict_decides_as_verdict_does():
+    """sampled_verdict (plain temperature, from logits and the draft's subset) against verdict on the warped
+    probabilities, with the same numbers: the same count and token every time, in float64."""
+    g = torch.Generator().manual_seed(1)
+    V, N, outcomes, outside = 12, 8, set(), 0
+    for trial in range(400):
+        temperature = (1.0, 0.7, 1.3)[trial % 3]
+        logits = (0.3 + 3 * torch.rand((), generator=g)) * torch.randn(K + 1, V, generator=g, dtype=torch.float64)
+        ids = torch.randperm(V, generator=g)[:N]
+        small = torch.softmax(torch.randn(K, N, generator=g, dtype=torch.float64), -1)  # (K, N)
+        p = next_token_probs(logits, temperature)  # (K + 1, V)
+        if trial % 4 == 0:  # a draft near the target: full acceptances
+            small = 0.9 * p[:K, ids] / p[:K, ids].sum(-1, keepdim=True) + 0.1 * small
+        picks = torch.multinomial(small, 1, generator=g)[:, 0]
+        u_accept, u_last = torch.rand(K, generator=g), torch.rand(1, 1, generator=g, dtype=torch.float64)
+        n, token = verdict(p, in_vocab(small, ids, V), ids[picks], u_accept, u_last, greedy=False)
+        ours = sampled_verdict(logits, small, picks, ids, ids[picks], u_accept, u_last, temperature)
+        assert (int(ours[0]), int(ours[1])) == (int(n), int(token))
+        outcomes.add(int(n))
+        outside += int(token) not in ids.tolist()
+    assert outcomes == set(range(K + 1)) and outside > 0  # every count met; residual draws outside the subset
+    # A language model's vocabulary holds MASK, which neither ever commits.
+    logits = torch.zeros(K + 1, MASK + 1, dtype=torch.float64)
+    logits[:, MASK] = 50.0
+    ids = torch.tensor([MASK, 7])
+    small = torch.tensor([[0.5, 0.5]] * K, dtype=torch.float64)
+    picks = torch.zeros(K, dtype=torch.long)  # every draft is MASK: rejected at once
+    u_accept, u_last = torch.rand(K, generator=g), torch.rand(1, 1, generator=g, dtype=torch.float64)
+    p = next_token_probs(logits, 1.0)
+    n, token = verdict(p, in_vocab(small, ids, MASK + 1), ids[picks], u_accept, u_last, greedy=False)
+    ours = sampled_verdict(logits, small, picks, ids, ids[picks], u_accept, u_last, 1.0)
+    assert int(ours[0]) == int(n) == 0 and int(ours[1]) == int(token) != MASK
 
 
 @pytest.mark.parametrize("length", [1, 5, 8, 20, 36])

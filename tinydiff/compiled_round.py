@@ -27,11 +27,12 @@ def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args)
     """subset_draft_round's n_drafts forwards after idx (1, T0) at rows (T0,), in one graph.
 
     model: the draft Transformer, head (N, D) its pruned head rows, ids (N,) their vocabulary ids;
-    u (n_drafts, 1) float64 uniforms (unread at temperature 0). Returns drafts (K,) and q (K, V),
-    zero outside the subset. The cache rows are the positions: the chain reads T0 + K - 1 tokens.
+    u (n_drafts, 1) float64 uniforms (unread at temperature 0). Returns drafts (K,), their places in
+    the subset (K,) and the draft's probabilities over the subset (K, N) (`in_vocab` widens them to
+    the vocabulary). The cache rows are the positions: the chain reads T0 + K - 1 tokens.
     """
     greedy = warp_args[0] == 0
-    drafts, qs = [], []
+    drafts, picks, qs = [], [], []
     for j in range(n_drafts):
         logits, _ = static_forward(model, cache, idx, rows, rows, None, head=head)  # (1, T, N)
         q = warp(logits[0, -1], *warp_args)  # (N,)
@@ -41,11 +42,22 @@ def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args)
             pick = inverse_cdf(q[None], u[j:j + 1])  # (1,)
         token = ids.index_select(0, pick)  # (1,): a tensor index, never a host integer
         drafts.append(token)
+        picks.append(pick)
         qs.append(q)
         idx, rows = token.view(1, 1), rows[-1:] + 1  # (1, 1), (1,)
-    small = torch.stack(qs)  # (K, N)
-    V = model.config.vocab_size
-    return torch.cat(drafts), small.new_zeros(n_drafts, V).index_copy_(1, ids, small)  # (K,), (K, V)
+    return torch.cat(drafts), torch.cat(picks), torch.stack(qs)  # (K,), (K,), (K, N)
+
+
+def in_vocab(small, ids, vocab_size: int):
+    """Probabilities over the subset ids (N,), small (K, N), as (K, V): zero outside the subset."""
+    return small.new_zeros(len(small), vocab_size).index_copy_(1, ids, small)
+
+
+def drafting_round(model, head, ids, *args):
+    """draft_chain with the draft's probabilities over the whole vocabulary: the drafts (K,) and q (K, V)
+    that speculative.verify reads."""
+    drafts, _, small = draft_chain(model, head, ids, *args)
+    return drafts, in_vocab(small, ids, model.config.vocab_size)
 
 
 class StaticSubsetDraft(StaticModel):
@@ -59,7 +71,7 @@ class StaticSubsetDraft(StaticModel):
             raise UserError("a compiled drafting round needs FR-Spec's pruned draft (FrequentVocabDraft)")
         super().__init__(draft, hot=hot, compile=compile)
         self.k = k
-        self.chain = Compiled(lambda *a: draft_chain(draft.draft, draft.rows, draft.ids, *a),
+        self.chain = Compiled(lambda *a: drafting_round(draft.draft, draft.rows, draft.ids, *a),
                               draft.embed.weight.device, (1, 2), compile)
 
     @property

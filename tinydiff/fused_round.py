@@ -6,7 +6,8 @@ checks its guards. On a CPU that host work costs about as much as a small draft'
 (docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
   - `sampled_step`: an AR decoding step: the forward of the newest token, the warp, the draw;
   - `speculative_round`: FR-Spec's k drafts (compiled_round.draft_chain), the target's forward of the
-    newest token and the drafts, its warp, Leviathan's rule (`verdict`) and the committed token's
+    newest token and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature
+    `sampled_verdict`, which writes out one row of probabilities, not k + 1) and the committed token's
     draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
 The graphs' uniforms are drawn before they run, from the loop's generator and in the eager loop's
 order (the drafts', the k acceptance tests', the last draw's), so they commit the eager loop's tokens.
@@ -26,12 +27,12 @@ import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticModel, static_forward
-from tinydiff.compiled_round import StaticSubsetDraft, draft_chain
+from tinydiff.compiled_round import StaticSubsetDraft, draft_chain, in_vocab
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs, residual
 from tinydiff.speculative import check_models, commit, target_probs, verify
 from tinydiff.tally import Decoded, Tally, elapsed
-from tinydiff.tokenizer import EOT
+from tinydiff.tokenizer import EOT, MASK
 
 PREFILL_CHUNK = 8  # tokens a prefill forward reads: a bench prompt is EOT + an 8-token opening, read but its last
 
@@ -51,6 +52,35 @@ def verdict(p, q, drafts, u_accept, u_last, greedy: bool):
     return n, token[0]
 
 
+def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, temperature: float):
+    """`verdict` at a plain temperature (no top-k, no top-p), read from the target's logits and the draft's
+    probabilities over its subset, without writing the (K + 1, V) or (K, V) probabilities.
+
+    logits (K+1, V); small (K, N) over ids (N,), drafts (K,) = ids[picks]. An acceptance test needs one
+    probability per row, so each row gets its maximum and sum of exponentials (reads only); one row
+    is then written out in full: the rejected slot's, its residual p - q formed in place on the subset,
+    or after a full acceptance the bonus row's. inverse_cdf draws from any scale, so the residual stays
+    unnormalised. The same numbers as verdict's but for rounding; tests/test_fused_round.py checks both
+    give one decision."""
+    K = len(drafts)
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if x.shape[-1] > MASK:  # next_token_probs: MASK is never generated
+        x = x.index_fill(-1, torch.tensor([MASK], device=x.device), float("-inf"))
+    x = x / temperature  # (K+1, V)
+    top = x.amax(-1, keepdim=True)  # (K+1, 1)
+    total = (x - top).exp().sum(-1, keepdim=True)  # (K+1, 1)
+    rows = torch.arange(K, device=x.device)
+    p_drafts = (x[rows, drafts] - top[:K, 0]).exp() / total[:K, 0]  # (K,): p of each draft
+    n = (u_accept * small[rows, picks] < p_drafts).long().cumprod(0).sum()  # (): the accepted prefix
+    at = n.clamp_max(K - 1).view(1)  # (1,): the rejected slot, when there is one
+    row = torch.where(n < K, at, K)  # (1,): the row the committed token comes from
+    p = (x.index_select(0, row) - top.index_select(0, row)).exp() / total.index_select(0, row)  # (1, V)
+    q = small.index_select(0, at) * (n < K)  # (1, N): zero after a full acceptance
+    r = p.index_add(1, ids, -q).clamp_min(0)  # (1, V): max(0, p - q), or p itself
+    last = torch.where(r.sum(-1, keepdim=True) > 0, r, p)  # residual's rule where p == q
+    return n, inverse_cdf(last, u_last)[0]
+
+
 def sampled_step(model, cache, idx, rows, u, warp_args):
     """An ar_generate step: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
     (unread when greedy). Returns the next token (1,)."""
@@ -67,11 +97,17 @@ def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, 
     (T0,); the target's cache lacks only the newest, idx[0, -1]. u_draft (k, 1) float64, u_accept (k,),
     u_last (1, 1) float64. Returns (k + 2,): the k drafts, the accepted count n, the committed token.
     """
-    drafts, q = draft_chain(draft, head, ids, draft_cache, idx, rows, u_draft, k, warp_args)  # (K,), (K, V)
+    # drafts (K,), their places in the subset (K,), the draft's probabilities over it (K, N)
+    drafts, picks, small = draft_chain(draft, head, ids, draft_cache, idx, rows, u_draft, k, warp_args)
     x = torch.cat([idx[0, -1:], drafts])[None]  # (1, K + 1): the newest token, then the drafts
     at = rows[-1] + torch.arange(k + 1, device=idx.device)  # (K + 1,): positions, and cache rows
     logits, _ = static_forward(target, target_cache, x, at, at, None)  # (1, K + 1, V)
-    n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last, warp_args[0] == 0)
+    temperature, top_k, top_p = warp_args
+    if temperature > 0 and top_k is None and top_p is None:
+        n, token = sampled_verdict(logits[0], small, picks, ids, drafts, u_accept, u_last, temperature)
+    else:
+        q = in_vocab(small, ids, logits.shape[-1])  # (K, V)
+        n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last, temperature == 0)
     return torch.cat([drafts, n.view(1), token.view(1)])
 
 
