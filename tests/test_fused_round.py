@@ -14,9 +14,9 @@ from stats_helpers import assert_caches_equal, assert_same, float64, one_thread,
 
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import StaticModel
-from tinydiff.compiled_round import StaticSubsetDraft, in_vocab
+from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.frequent_vocab import FrequentVocabDraft, in_vocab, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate, prefill, sampled_verdict, verdict)
 from tinydiff.model import ModelConfig

@@ -18,7 +18,7 @@ import torch
 
 from tinydiff.compiled import Compiled, StaticModel, detach_outputs, static_forward
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.frequent_vocab import FrequentVocabDraft, in_vocab, subset_draft_round
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import inverse_cdf, warp
 
@@ -46,11 +46,6 @@ def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args)
         qs.append(q)
         idx, rows = token.view(1, 1), rows[-1:] + 1  # (1, 1), (1,)
     return torch.cat(drafts), torch.cat(picks), torch.stack(qs)  # (K,), (K,), (K, N)
-
-
-def in_vocab(small, ids, vocab_size: int):
-    """Probabilities over the subset ids (N,), small (K, N), as (K, V): zero outside the subset."""
-    return small.new_zeros(len(small), vocab_size).index_copy_(1, ids, small)
 
 
 def drafting_round(model, head, ids, *args):

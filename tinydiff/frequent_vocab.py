@@ -88,5 +88,9 @@ def subset_draft_round(draft, cache, seq, n_drafts, warp_args, generator=None):
     V = draft.config.vocab_size
     if not drafts:  # the last round may have no room for drafts
         return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device)
-    small = torch.stack(qs)  # (K, N)
-    return torch.stack(drafts), small.new_zeros(len(qs), V).index_copy_(1, draft.ids, small)  # (K,), (K, V)
+    return torch.stack(drafts), in_vocab(torch.stack(qs), draft.ids, V)  # (K,), (K, V)
+
+
+def in_vocab(small, ids, vocab_size: int):
+    """Probabilities over the subset ids (N,), small (K, N), as (K, V): zero outside the subset."""
+    return small.new_zeros(len(small), vocab_size).index_copy_(1, ids, small)

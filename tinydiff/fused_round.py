@@ -27,12 +27,14 @@ import torch
 
 from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticModel, static_forward
-from tinydiff.compiled_round import StaticSubsetDraft, draft_chain, in_vocab
+from tinydiff.compiled_round import StaticSubsetDraft, draft_chain
+from tinydiff.frequent_vocab import in_vocab
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs, residual
+from tinydiff.soft_labels import draftable
 from tinydiff.speculative import check_models, commit, target_probs, verify
 from tinydiff.tally import Decoded, Tally, elapsed
-from tinydiff.tokenizer import EOT, MASK
+from tinydiff.tokenizer import EOT
 
 PREFILL_CHUNK = 8  # tokens a prefill forward reads: a bench prompt is EOT + an 8-token opening, read but its last
 
@@ -63,10 +65,7 @@ def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, tempera
     unnormalised. The same numbers as verdict's but for rounding; tests/test_fused_round.py checks both
     give one decision."""
     K = len(drafts)
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if x.shape[-1] > MASK:  # next_token_probs: MASK is never generated
-        x = x.index_fill(-1, torch.tensor([MASK], device=x.device), float("-inf"))
-    x = x / temperature  # (K+1, V)
+    x = draftable(logits) / temperature  # (K+1, V): MASK at -inf, as next_token_probs
     top = x.amax(-1, keepdim=True)  # (K+1, 1)
     total = (x - top).exp().sum(-1, keepdim=True)  # (K+1, 1)
     rows = torch.arange(K, device=x.device)
