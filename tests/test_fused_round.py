@@ -69,6 +69,35 @@ def test_verdict_is_verifys_rule_with_the_numbers_verify_draws():
         assert (int(ours[0]), int(ours[1])) == (n, token)
 
 
+def test_a_verdict_on_the_first_m_slots_is_verify_on_m_drafts():
+    """A story's last rounds verify fewer drafts than the graph makes: with live = the first m slots, verdict
+    decides as verify on those m drafts and the m + 1 rows that read them, given verify's numbers (the
+    slots past m get zeros), the bonus included; and so does sampled_verdict."""
+    g = torch.Generator().manual_seed(2)
+    V, outcomes = 12, set()
+    for trial in range(400):
+        m = trial % K  # 0 .. K - 1 verified drafts
+        temperature = (1.0, 0.7)[trial % 2]
+        logits = (0.3 + 3 * torch.rand((), generator=g)) * torch.randn(K + 1, V, generator=g, dtype=torch.float64)
+        p = next_token_probs(logits, temperature)  # (K + 1, V)
+        small = torch.softmax(torch.randn(K, V, generator=g, dtype=torch.float64), -1)
+        small = torch.where(torch.rand(K, 1, generator=g) < 0.5, 0.9 * p[:K] + 0.1 * small, small)  # full acceptances too
+        drafts = torch.multinomial(small, 1, generator=g)[:, 0]
+        state = g.get_state()
+        n, token = verify(p[:m + 1], small[:m], drafts[:m], g)
+        g.set_state(state)
+        u_accept = torch.cat([torch.rand(m, generator=g), torch.zeros(K - m)])
+        u_last = torch.rand(1, 1, generator=g, dtype=torch.float64)
+        live = torch.arange(K) < m
+        ours = verdict(p, small, drafts, u_accept, u_last, greedy=False, live=live)
+        assert (int(ours[0]), int(ours[1])) == (n, token)
+        ids = torch.arange(V)  # the whole vocabulary as the subset
+        fast = sampled_verdict(logits, small, drafts, ids, drafts, u_accept, u_last, temperature, live)
+        assert (int(fast[0]), int(fast[1])) == (n, token)
+        outcomes.add((m, n))
+    assert outcomes == {(m, n) for m in range(K) for n in range(m + 1)}  # every count, the bonus's included
+
+
 def test_the_sampled_verdict_decides_as_verdict_does():
     """sampled_verdict (plain temperature, from logits and the draft's subset) against verdict on the warped
     probabilities, with the same numbers: the same count and token every time, in float64."""
@@ -177,6 +206,28 @@ def test_the_fused_loops_stop_where_the_eager_loops_stop(models):
     theirs = speculative_generate(target, draft, PROMPT, NEW, K, 1.0, generator=g(), stop_token=stop,
                                   propose=subset_draft_round)[0]
     assert ours == theirs == story[:story.index(stop) + 1]
+
+
+def test_the_fused_loop_commits_the_eager_tokens_after_a_one_token_prompt_and_up_to_the_context(models,
+                                                                                                  monkeypatch):
+    """The loop's other paths: a 1-token prompt (no prefill; the first round's draft reads one token,
+    its own shape), and a story that fills the context, where the last rounds have no room for the
+    graph's k + 1 rows and run the eager pieces."""
+    target, draft, _, spec = models
+    graph_rounds = []
+    run_round = spec.run_round
+    monkeypatch.setattr(spec, "run_round", lambda *a: graph_rounds.append(1) or run_round(*a))
+    eager_rounds = 0
+    for prompt, new in (([7], NEW), (PROMPT, target.config.context - len(PROMPT))):
+        for seed in range(3):
+            g = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
+            graph_rounds.clear()
+            ours, ours_result = fused_speculative_generate(spec, prompt, new, 1.0, generator=g(), stop_token=None)
+            theirs, result = speculative_generate(target, draft, prompt, new, K, 1.0, generator=g(), stop_token=None,
+                                                  propose=subset_draft_round)
+            assert ours == theirs and len(ours) == new and ours_result.accepted == result.accepted
+            eager_rounds += ours_result.rounds - len(graph_rounds)
+    assert eager_rounds > 0  # the context's end was reached inside a round
 
 
 def test_bad_input_is_a_one_line_error(models):

@@ -16,7 +16,8 @@ at T > 0 and the graphs always spend one; both stay exact draws.
 `fused_ar_generate` and `fused_speculative_generate` are ar_generate and speculative_generate on these
 graphs. Both read the prompt but its newest token first (`prefill`: forwards of a fixed chunk, so the
 prompt compiles once whatever its length, counted as target forwards); then every round is one call
-into one graph, but a story's shorter last rounds, which run the eager pieces on static models.
+into one graph, a story's last rounds too (the graph drafts k, the verdict reads the drafts there is
+room for), but for rounds at the context's end, which run the eager pieces on static models.
 
 Leaves out: plain (unpruned) drafts, trees, DFlash and EAGLE-3 (the same verdict would serve them),
 and batches.
@@ -39,22 +40,27 @@ from tinydiff.tokenizer import EOT
 PREFILL_CHUNK = 8  # tokens a prefill forward reads: a bench prompt is EOT + an 8-token opening, read but its last
 
 
-def verdict(p, q, drafts, u_accept, u_last, greedy: bool):
+def verdict(p, q, drafts, u_accept, u_last, greedy: bool, live=None):
     """speculative.verify with its uniforms given, and no host synchronisation.
 
     p (K+1, V), q (K, V), drafts (K,) as there; u_accept (K,) the acceptance tests' uniforms, u_last
-    (1, 1) float64 the committed token's (unread when greedy). Returns n and the token, 0-d tensors.
+    (1, 1) float64 the committed token's (unread when greedy). live (K,) bool, a prefix of True: the
+    slots that hold drafts (None: all); the round is then verify's on the live drafts alone, the rest
+    never accepted and the bonus read from the row after the last live one. Returns n and the token,
+    0-d tensors.
     """
     K = len(drafts)
     rows = torch.arange(K, device=p.device)
-    n = (u_accept * q[rows, drafts] < p[rows, drafts]).long().cumprod(0).sum()  # (): the accepted prefix
+    live = torch.ones(K, dtype=torch.bool, device=p.device) if live is None else live
+    n = ((u_accept * q[rows, drafts] < p[rows, drafts]) & live).long().cumprod(0).sum()  # (): the accepted prefix
     at = n.clamp_max(K - 1).view(1)  # (1,): the rejected slot, when there is one
-    last = torch.where(n < K, residual(p.index_select(0, at), q.index_select(0, at)), p[K:])  # (1, V)
+    rejected = n < live.sum()  # (): else all live drafts passed and row n is the bonus's
+    last = torch.where(rejected, residual(p.index_select(0, at), q.index_select(0, at)), p.index_select(0, n.view(1)))
     token = last.argmax(-1) if greedy else inverse_cdf(last, u_last)  # (1,)
     return n, token[0]
 
 
-def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, temperature: float):
+def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, temperature: float, live=None):
     """`verdict` at a plain temperature (no top-k, no top-p), read from the target's logits and the draft's
     probabilities over its subset, without writing the (K + 1, V) or (K, V) probabilities.
 
@@ -62,19 +68,20 @@ def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, tempera
     probability per row, so each row gets its maximum and sum of exponentials (reads only); one row
     is then written out in full: the rejected slot's, its residual p - q formed in place on the subset,
     or after a full acceptance the bonus row's. inverse_cdf draws from any scale, so the residual stays
-    unnormalised. The same numbers as verdict's but for rounding; tests/test_fused_round.py checks both
-    give one decision."""
+    unnormalised. live as in verdict. The same numbers as verdict's but for rounding;
+    tests/test_fused_round.py checks both give one decision."""
     K = len(drafts)
     x = draftable(logits) / temperature  # (K+1, V): MASK at -inf, as next_token_probs
     top = x.amax(-1, keepdim=True)  # (K+1, 1)
     total = (x - top).exp().sum(-1, keepdim=True)  # (K+1, 1)
     rows = torch.arange(K, device=x.device)
+    live = torch.ones(K, dtype=torch.bool, device=x.device) if live is None else live
     p_drafts = (x[rows, drafts] - top[:K, 0]).exp() / total[:K, 0]  # (K,): p of each draft
-    n = (u_accept * small[rows, picks] < p_drafts).long().cumprod(0).sum()  # (): the accepted prefix
+    n = ((u_accept * small[rows, picks] < p_drafts) & live).long().cumprod(0).sum()  # (): the accepted prefix
     at = n.clamp_max(K - 1).view(1)  # (1,): the rejected slot, when there is one
-    row = torch.where(n < K, at, K)  # (1,): the row the committed token comes from
+    row = n.view(1)  # (1,): the row the committed token comes from, the rejected slot's or the bonus's
     p = (x.index_select(0, row) - top.index_select(0, row)).exp() / total.index_select(0, row)  # (1, V)
-    q = small.index_select(0, at) * (n < K)  # (1, N): zero after a full acceptance
+    q = small.index_select(0, at) * (n < live.sum())  # (1, N): zero after every live draft passed
     r = p.index_add(1, ids, -q).clamp_min(0)  # (1, V): max(0, p - q), or p itself
     last = torch.where(r.sum(-1, keepdim=True) > 0, r, p)  # residual's rule where p == q
     return n, inverse_cdf(last, u_last)[0]
@@ -89,12 +96,15 @@ def sampled_step(model, cache, idx, rows, u, warp_args):
 
 
 def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, rows, u_draft, u_accept, u_last,
-                      k: int, warp_args):
+                      live, k: int, warp_args):
     """One round of speculative_generate with FR-Spec's draft (model `draft`, head rows (N, D) for `ids` (N,)).
 
-    idx (1, T0): the committed tokens the draft's cache lacks (1, or 2 after a full acceptance) at rows
-    (T0,); the target's cache lacks only the newest, idx[0, -1]. u_draft (k, 1) float64, u_accept (k,),
-    u_last (1, 1) float64. Returns (k + 2,): the k drafts, the accepted count n, the committed token.
+    idx (1, T0): the committed tokens the draft's cache lacks (1, or 2 after a full acceptance; the
+    token before them too, at its own row, when the caller keeps one shape) at rows (T0,); the target's
+    cache lacks only the newest, idx[0, -1]. u_draft (k, 1) float64, u_accept (k,), u_last (1, 1)
+    float64; live (k,) bool, the slots the round verifies (a story's last rounds verify fewer: the
+    graph still drafts k, and the rest are never accepted; `verdict`). Returns (k + 2,): the k drafts,
+    the accepted count n, the committed token.
     """
     # drafts (K,), their places in the subset (K,), the draft's probabilities over it (K, N)
     drafts, picks, small = draft_chain(draft, head, ids, draft_cache, idx, rows, u_draft, k, warp_args)
@@ -103,10 +113,11 @@ def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, 
     logits, _ = static_forward(target, target_cache, x, at, at, None)  # (1, K + 1, V)
     temperature, top_k, top_p = warp_args
     if temperature > 0 and top_k is None and top_p is None:
-        n, token = sampled_verdict(logits[0], small, picks, ids, drafts, u_accept, u_last, temperature)
+        n, token = sampled_verdict(logits[0], small, picks, ids, drafts, u_accept, u_last, temperature, live)
     else:
         q = in_vocab(small, ids, logits.shape[-1])  # (K, V)
-        n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last, temperature == 0)
+        n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last, temperature == 0,
+                           live)
     return torch.cat([drafts, n.view(1), token.view(1)])
 
 
@@ -151,37 +162,51 @@ class FusedAR:
 
 class FusedSpeculation:
     """A target and FR-Spec's draft for fused_speculative_generate: rounds of k drafts run as one compiled
-    speculative_round (a graph for each count of catch-up tokens, 1 or 2). `target` (a StaticModel) and
-    `draft` (a StaticSubsetDraft of k drafts) run the rounds of other shapes with the eager rule: compile
-    the target for every verify length 1..k + 1 and a story's last rounds stay compiled too."""
+    speculative_round, a story's last rounds (fewer drafts verified) too. The draft reads the token before
+    its newest again when it lacks only one, so every round after a 1-token prompt's first has one shape
+    and one graph: with two, a round often follows the other's, and each graph holds its own frozen
+    copy of the target's head, which the switch reads from memory again. `target` (a StaticModel) and
+    `draft` (a StaticSubsetDraft of k drafts) run the rounds at the context's end, where k drafts have
+    no room, with the eager rule."""
 
     def __init__(self, target: StaticModel, draft: StaticSubsetDraft, compile=True):
         self.target, self.draft, self.k = target, draft, draft.k
         pruned = draft.module
         self.round = Compiled(lambda *a: speculative_round(target.module, pruned.draft, pruned.rows, pruned.ids, *a),
                               target.embed.weight.device, (1, 2), compile)
+        slots = torch.arange(self.k, device=target.embed.weight.device)
+        self.live = [slots < m for m in range(self.k + 1)]  # (k,) each: the first m slots verified
 
     @property
     def compile_seconds(self) -> float:
         return self.target.compile_seconds + self.draft.compile_seconds + self.round.compile_seconds
 
-    def run_round(self, target_cache, draft_cache, seq, warp_args, generator):
-        """One round of k drafts after seq; both caches advanced past what the graph wrote. Returns
-        (drafts, n, token) as host values."""
+    def fits(self, target_cache, draft_cache, seq) -> bool:
+        """Whether a round after seq has room in both caches: the target writes k + 1 rows, the draft k."""
+        return len(seq) + self.k <= min(target_cache.capacity, draft_cache.capacity)
+
+    def run_round(self, target_cache, draft_cache, seq, warp_args, generator, n_drafts=None):
+        """One round after seq that verifies the first n_drafts (default k) of the graph's k drafts; both
+        caches advanced as the eager round's, and the same random numbers drawn. Returns (drafts, n,
+        token) as host values, drafts the n_drafts verified."""
         device, k, greedy = self.draft.embed.weight.device, self.k, warp_args[0] == 0
-        T0 = len(seq) - draft_cache.length
-        idx = torch.tensor([seq[draft_cache.length:]], device=device)  # (1, T0)
-        rows = torch.arange(draft_cache.length, len(seq), device=device)  # (T0,)
-        u_draft = uniforms((k, 1), greedy, generator, device)
-        u_accept = torch.rand(k, generator=generator, device=device)  # verify draws them at T = 0 too
+        m = k if n_drafts is None else n_drafts
+        T0 = len(seq) - draft_cache.length  # 1, or 2 after a full acceptance
+        start = len(seq) - 2 if T0 == 1 and len(seq) > 1 else draft_cache.length  # one shape: 2 tokens
+        idx = torch.tensor([seq[start:]], device=device)  # (1, T)
+        rows = torch.arange(start, len(seq), device=device)  # (T,)
+        u_draft = uniforms((m, 1), greedy, generator, device)
+        u_accept = torch.rand(m, generator=generator, device=device)  # verify draws them at T = 0 too
         u_last = uniforms((1, 1), greedy, generator, device)
+        if m < k:  # the slots past the verified ones draft from zeros; nothing reads them
+            u_draft, u_accept = (torch.cat([u, u.new_zeros((k - m,) + u.shape[1:])]) for u in (u_draft, u_accept))
         with kernels_enabled(False):
-            packed = self.round(T0, (T0, warp_args), target_cache, draft_cache, idx, rows, u_draft, u_accept,
-                                u_last, k, warp_args)
+            packed = self.round(idx.shape[1], (idx.shape[1], warp_args), target_cache, draft_cache, idx, rows,
+                                u_draft, u_accept, u_last, self.live[m], k, warp_args)
         *drafts, n, token = packed.tolist()  # the round's one read-back
-        draft_cache.advance(T0 + k - 1)
-        target_cache.advance(k + 1)
-        return drafts, n, token
+        draft_cache.advance(T0 + m - 1 if m else 0)  # the rows an eager round of m drafts writes
+        target_cache.advance(m + 1)
+        return drafts[:m], n, token
 
 
 @torch.no_grad()
@@ -228,9 +253,9 @@ def fused_speculative_generate(fused: FusedSpeculation, prompt, max_new_tokens, 
         prefill(draft, draft_cache, prompt[:-1])
     while len(out) < n_new:
         n_drafts = min(k, n_new - len(out) - 1)  # as speculative_generate: never past n_new
-        if n_drafts == k:
-            drafts, n, token = fused.run_round(target_cache, draft_cache, seq, warp_args, generator)
-        else:  # a story's short last rounds: speculative_generate's pieces
+        if fused.fits(target_cache, draft_cache, seq):
+            drafts, n, token = fused.run_round(target_cache, draft_cache, seq, warp_args, generator, n_drafts)
+        else:  # at the context's end: speculative_generate's pieces
             drafts, q = draft.propose(draft, draft_cache, seq, n_drafts, warp_args, generator)
             n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
             drafts = drafts.tolist()

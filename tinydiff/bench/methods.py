@@ -246,10 +246,10 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     mode = args.compile
     if method == "ar":  # the step and its draw: one graph; the prompt in compiled chunks
         return {**models, "fused": FusedAR(StaticModel(models["target"], (PREFILL_CHUNK,), mode), mode)}
-    if method in FR_ROWS:  # the whole round: one graph
+    if method in FR_ROWS:  # the whole round, a story's last ones too: one graph; the prompt in compiled chunks
         k = draft_count(method)
-        target = StaticModel(models["target"], spec_hot(k)["target"] + (PREFILL_CHUNK,), mode)
-        draft = StaticSubsetDraft(models["draft_fr"], k, mode, hot=(1, 2, PREFILL_CHUNK))
+        target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)
+        draft = StaticSubsetDraft(models["draft_fr"], k, mode, hot=(PREFILL_CHUNK,))
         return {**models, "fused": FusedSpeculation(target, draft, mode)}
     if method.startswith("spec-k"):
         return wrap(models, spec_hot(draft_count(method)), mode)
