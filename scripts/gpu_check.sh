@@ -12,7 +12,8 @@
 #      kernel at other tile sizes too, as the first GPU run did);
 #   3. the method bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
 #      dflash-b16 and ddtree-n32 on `tiny`: tokens/s, compile seconds, per-round draft / verify /
-#      host microseconds; then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar
+#      host microseconds; the fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the
+#      sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar
 #      step taken apart (graph replay, device time, wrapper, sampling, and the eager step);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
@@ -25,7 +26,7 @@
 # (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
-# bench_eager bench_compile step_costs_tiny step_costs_13m train_fp32 train_fp16 train_bf16 bench_13m_eager
+# bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m train_fp32 train_fp16 train_bf16 bench_13m_eager
 # bench_13m bench bench_t1).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
@@ -100,6 +101,10 @@ step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 6
     --json "$LOGDIR/bench_eager.json" "$@"
 step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
     --json "$LOGDIR/bench_compile.json" "$@"
+if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
+    step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
+        --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"
+fi
 for preset in tiny 13m; do  # where a compiled step's time goes: graph, wrapper, sampling
     step "step_costs_$preset" 60 "$PY" scripts/compiled_step_costs.py --preset "$preset"
 done
