@@ -90,6 +90,9 @@ class RunConfig:
                                               "distribution at it (a diffusion target's: its stories; default: "
                                               "greedy stories, hard labels)",
                                               "drafter", type=SAMPLING_TEMPERATURE)
+    target_layers: int | None = setting(None, "ar with --target: the draft starts as the target's first N layers, "
+                                        "its embedding, final norm and head (LayerSkip's early exit), and trains "
+                                        "from there (default: fresh from --preset)", "drafter", type=DEPTH)
     steps_ahead: int = setting(3, "eagle3: training unrolls the head K steps", "drafter", type=DEPTH)
     drafter_layers: int | None = setting(None, "dflash: the drafter's own Transformer layers (default 1)", "drafter",
                                          type=DEPTH)
@@ -141,6 +144,11 @@ class RunConfig:
         if self.draft_temperature is not None and not (self.target and self.model in ("ar", *DRAFTERS)):
             raise UserError("--draft-temperature trains a draft or drafter for sampling from its --target: use "
                             "--model ar, dflash or eagle3 with --target CKPT")
+        if self.target_layers is not None and not (self.target and self.model == "ar"):
+            raise UserError("--target-layers starts an AR draft from its --target's first layers: use --model ar "
+                            "with --target CKPT")
+        if self.target_layers is not None and (self.init or self.distill):
+            raise UserError("--target-layers builds a new draft from --target's layers: drop --init and --distill")
         if self.openings == "target" and not self.regenerate:
             raise UserError("--openings picks where --regenerate's stories start: add --regenerate N")
 
@@ -167,10 +175,11 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 def new_run(args: argparse.Namespace, preset: str) -> dict:
     """A new run's settings: the flags given, every other field's default; `preset` when none is given
-    (none at all where the model's shape comes from --init, --distill or a drafter's --target)."""
+    (none at all where the model's shape comes from --init, --distill, or a drafter's or --target-layers'
+    --target)."""
     run = RunConfig(**given_settings(args))
     run = asdict(run)
-    borrowed = run["init"] or run["distill"] or run["model"] in DRAFTERS  # the shape is another model's
+    borrowed = run["init"] or run["distill"] or run["target_layers"] or run["model"] in DRAFTERS  # another's shape
     run["preset"] = None if borrowed else run["preset"] or preset
     run["min_lr"] = run["lr"] / 10 if run["min_lr"] is None else run["min_lr"]
     for key, value in RUN_LENGTH.get(run["preset"], RUN_LENGTH[None]).items():

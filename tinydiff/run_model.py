@@ -1,6 +1,7 @@
 """The model a training run trains, from its settings (tinydiff/run_config.py): fresh from a
 preset, continued from --init's weights (an AR checkpoint adapted to diffusion with Dream's shift),
-a drafter around a frozen --target, a distillation student, or the checkpoint of a resumed run.
+a drafter around a frozen --target, an AR draft from --target's first layers, a distillation student,
+or the checkpoint of a resumed run.
 Shape flags that contradict --init's checkpoint are errors, never silently ignored.
 """
 from dataclasses import replace
@@ -77,9 +78,10 @@ def check_flags_fit(run: dict):
 
 def uses_target(run: dict) -> bool:
     """Whether the run trains against a frozen --target: a drafter, an AR draft on the target's text
-    or distribution, or an ar-moe QAT run matching its full-precision model (tinydiff/qat.py)."""
+    or distribution or from its first layers, or an ar-moe QAT run matching its full-precision model (tinydiff/qat.py)."""
     return (run["model"] in DRAFTERS or (run["model"] == "ar" and (run["regenerate"] is not None or
-                                                                    run["draft_temperature"] is not None))
+                                                                    run["draft_temperature"] is not None or
+                                                                    run["target_layers"] is not None))
             or (run["model"] == "ar-moe" and run["qat"] is not None))
 
 
@@ -128,6 +130,8 @@ def new_language_model(run: dict, device: str):
     overrides = {} if run["context"] is None else {"context": run["context"]}
     if run["distill"]:
         return student_from(run["distill"], run["model"], run["init"], device)
+    if run["target_layers"]:
+        return early_exit_draft(run, device)
     if run["init"]:
         init = init_checkpoint(run)
         model = model_from(init, run["init"], device)
@@ -140,6 +144,22 @@ def new_language_model(run: dict, device: str):
         config = (ar_moe_config if run["model"] == "ar-moe" else moe_config)(run["preset"], **overrides, **moe_shape)
         return MoETransformer(config).to(device)
     return Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
+
+
+def early_exit_draft(run: dict, device: str):
+    """An AR draft made of the dense AR --target's first --target-layers blocks, its embedding, final
+    norm and head (LayerSkip's early exit, Elhoushi et al. 2024): the exit already predicts the next
+    token, so the draft starts near the target's distribution instead of from noise."""
+    target, _ = load_model(run["target"], device, kinds=("ar",))
+    n = run["target_layers"]
+    if n >= target.config.n_layer:
+        raise UserError(f"--target-layers {n}: {run['target']} has {target.config.n_layer} layers; a draft of "
+                        f"its first 1 to {target.config.n_layer - 1} is cheaper than it")
+    draft = Transformer(replace(target.config, n_layer=n)).to(device)
+    kept = {key: value for key, value in target.state_dict().items()
+            if not key.startswith("blocks.") or int(key.split(".")[1]) < n}
+    draft.load_state_dict(kept)  # strict: every weight of the draft comes from the target
+    return draft
 
 
 def with_run_options(model, run: dict):

@@ -80,6 +80,8 @@ def defaults(args, device: str) -> dict:
     given = [flag(key) for key in ("preset", "context") if getattr(args, key) is not None]
     if run["init"] and not run["distill"] and given:
         raise UserError(f"--init {run['init']} continues that model, in its shape: drop {', '.join(given)}")
+    if run["target_layers"] and given:
+        raise UserError(f"--target-layers takes the draft's shape from --target: drop {', '.join(given)}")
     if run["model"] in DRAFTERS and given:
         raise UserError(f"a {run['model']} drafter takes its dimensions from --target: drop {', '.join(given)}")
     return run
@@ -136,7 +138,8 @@ def run_settings(args):
             raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
         return resumed_settings(args, ckpt, out / "ckpt.pt"), out, ckpt
     run = defaults(args, args.device)
-    name = run["preset"] or ("distilled" if run["distill"] else "init" if run["init"] else default_preset(args.device))
+    name = run["preset"] or ("distilled" if run["distill"] else "init" if run["init"] else
+                             f"exit{run['target_layers']}" if run["target_layers"] else default_preset(args.device))
     out = out or Path("out") / f"{run['model']}-{name}"
     check_run_folder(out)
     check_new(out)
@@ -156,6 +159,7 @@ def describe(model, run: dict):
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
         name = f"student of {run['distill']}" if run["distill"] else f"from {run['init']}" if run["init"] \
+            else f"from the first {run['target_layers']} layers of {run['target']}" if run["target_layers"] \
             else run["preset"]
         print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
