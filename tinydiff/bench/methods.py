@@ -176,7 +176,7 @@ METHODS = {
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
-    **{f"spec-k{k}-fr": (lambda *a, k=k: run_spec_fr(*a, k=k)) for k in (2, 3, 4)},
+    **{f"spec-k{k}-fr": (lambda *a, k=k: run_spec_fr(*a, k=k)) for k in (2, 3, 4, 5, 6)},
     "ssd-f1": lambda *a: run_ssd(*a, fan_out=1),
     "ssd-f3": lambda *a: run_ssd(*a, fan_out=3),
     "ssd-f8": lambda *a: run_ssd(*a, fan_out=8),
