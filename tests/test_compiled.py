@@ -1,7 +1,7 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
 Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
-fused_round.py's graphs of a whole AR step or speculative round), with each hot step compiled
+fused_round.py's graphs of a whole AR step or speculative round, fused_dflash.py's of a DFlash round), with each hot step compiled
 by inductor with fullgraph=True (a graph break is an error), gives the eager loop's tokens at
 temperature 0 and its samples with the same seed at temperature 1; after every round the static
 caches hold the eager caches' rows; the hot steps really ran compiled; misuse is a one-line error.
@@ -21,6 +21,7 @@ from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate)
@@ -61,7 +62,8 @@ def static(eager):
               "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
     # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
     return {**models, "ar_fused": FusedAR(models["target"]),
-            "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"])}
+            "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
+            "dflash_fused": FusedDFlash(models["target"], models["drafter"])}
 
 
 def decode(method, models, temperature, on_round=None):
@@ -86,7 +88,12 @@ def decode(method, models, temperature, on_round=None):
         draft = models.get("draft_fr_round", models["draft_fr"])
         propose = getattr(draft, "propose", subset_draft_round)
         return speculative_generate(t, draft, PROMPT, NEW, K, on_round=on_round, propose=propose, **common)[0]
-    if method == "dflash":
+    if method.startswith("dflash-fused") and "dflash_fused" in models:
+        rule = "reject" if method.endswith("reject") else "match"
+        return fused_dflash_generate(models["dflash_fused"], PROMPT, NEW, on_round=on_round, rule=rule, **common)[0]
+    if method == "dflash-fused-reject":  # eagerly: dflash_generate
+        return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, rule="reject", **common)[0]
+    if method in ("dflash", "dflash-fused"):
         return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, **common)[0]
     if method == "ddtree":
         return ddtree_generate(t, models["drafter"], PROMPT, NEW, budget=BUDGET, on_round=on_round, **common)[0]
@@ -96,8 +103,8 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "ar-fused", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "ddtree", "eagle3",
-           "diffusion-cached"]
+METHODS = ["ar", "ar-fused", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
+           "dflash-fused-reject", "ddtree", "eagle3", "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -106,7 +113,8 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
     assert decode(method, static, temperature) == decode(method, eager, temperature)
 
 
-@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "ddtree", "eagle3"])
+@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused", "ddtree",
+                                    "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -137,6 +145,7 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert (0.0, None, None) in static["ar_fused"].step.seen
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
     assert {key[0] for key in static["spec_fused"].round.seen} == {2}
+    assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
     assert static["draft_fr_round"].compile_seconds > static["draft_fr_round"].step.compile_seconds  # the chain's counted
     assert isinstance(static["target"].new_cache(1), StaticCache)
@@ -149,7 +158,7 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
-    fused = [static["ar_fused"].step, static["spec_fused"].round]
+    fused = [static["ar_fused"].step, static["spec_fused"].round, static["dflash_fused"].round]
     steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)

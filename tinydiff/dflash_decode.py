@@ -145,6 +145,47 @@ def prefill_caches(target, drafter, prompt, target_cache, draft_cache) -> int:
     return 1
 
 
+def draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule, warp_args, generator=None,
+                     min_confidence=None, tally=None):
+    """One round's drafting and verifying after seq: ONE drafter forward for the block (none when n_drafts
+    is 0), ONE target forward for [seq[-1], drafts], the rule's judgement. The target's cache then holds
+    the verified rows, the drafter's is unchanged (`commit` settles both). tally, if given, clocks the
+    stages. Returns (drafts (K,), n accepted, the committed token, the verify's hidden states N x (1, K+1, D))."""
+    draw, judge = RULES[rule]
+    device = target.embed.weight.device
+    drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+    t0 = time.perf_counter()
+    if n_drafts:  # draft: ONE drafter forward for the block
+        logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
+        drafts, q, rows = draw(logits, warp_args, generator, drafter.markov, seq[-1])
+        if min_confidence is not None:  # verify only the drafts the drafter is sure enough of
+            m = confident_prefix(rows, drafts, min_confidence)
+            drafts, q = drafts[:m], None if q is None else q[:m]
+    t1 = split_time(device)
+    x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+    logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)  # verify: ONE forward
+    n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, warp_args[0] == 0)
+    if tally is not None:
+        tally.clock(t0, t1, time.perf_counter())  # judge's int() waited for the GPU
+    return drafts, n, token, hidden
+
+
+def commit(seq, out, tokens, stop_token, target_cache, drafter, draft_cache, hidden=None):
+    """The round's tokens (the accepted drafts, then the target's token) cut after stop_token, appended to
+    seq and out; both caches left holding seq[:-1]: the target's cropped (its rejected rows dropped), the
+    drafter's context extended with the features (hidden) of the inputs now committed, or, where a
+    fused round wrote every verified row already (hidden None), cropped as well. Returns (tokens, stopped)."""
+    tokens, stopped = cut_at_stop(tokens, stop_token)
+    seq += tokens
+    out += tokens
+    target_cache.crop(len(seq) - 1)  # the newest token is read next round
+    if hidden is None:
+        draft_cache.crop(len(seq) - 1)
+    else:
+        drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])
+    return tokens, stopped
+
+
 @torch.no_grad()
 def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
                     top_p=None, generator=None, stop_token=EOT, on_round=None, rule="match",
@@ -161,7 +202,6 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     """
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
-    draw, judge = RULES[rule]
     if min_confidence is not None:
         PROBABILITY.check("min_confidence", min_confidence)
     check_warp_args(temperature, top_k, top_p)
@@ -169,33 +209,17 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
         raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
     B = check_drafter(target, drafter, block_size)
-    warp_args, layers = (temperature, top_k, top_p), drafter.config.taps
-    device = target.embed.weight.device
+    warp_args, device = (temperature, top_k, top_p), target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
     tally = Tally(B - 1)
     tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
-        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
-        t0 = time.perf_counter()
-        if n_drafts:  # draft: ONE drafter forward for the block
-            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
-            drafts, q, rows = draw(logits, warp_args, generator, drafter.markov, seq[-1])
-            if min_confidence is not None:  # verify only the drafts the drafter is sure enough of
-                m = confident_prefix(rows, drafts, min_confidence)
-                drafts, q = drafts[:m], None if q is None else q[:m]
-        t1 = split_time(device)
-        x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)  # verify: ONE forward
-        n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
-        tally.clock(t0, t1, time.perf_counter())  # judge's int() waited for the GPU
-        tokens = drafts[:n].tolist() + [token]
-        tokens, stopped = cut_at_stop(tokens, stop_token)
-        seq += tokens
-        out += tokens
-        target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
-        drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])  # the inputs now committed
+        drafts, n, token, hidden = draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule,
+                                                    warp_args, generator, min_confidence, tally)
+        tokens, stopped = commit(seq, out, drafts.tolist()[:n] + [token], stop_token, target_cache, drafter,
+                                 draft_cache, hidden)
         tally.add(n, len(drafts), int(n_drafts > 0))  # one drafter forward per round that drafted
         if on_round is not None:
             on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),

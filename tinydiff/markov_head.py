@@ -40,10 +40,11 @@ class MarkovHead(nn.Module):
 def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
     """Drafts (K,) and the biased logits (K, V) of the block's logits (K, V): slot k's row gets the
     bias of the token `pick` chose at slot k-1 (slot 1: first_token, the newest committed one).
-    pick(row (V,)) -> a 0-dim long tensor: the argmax, or a sample."""
+    pick(row (V,)) -> a 0-dim long tensor: the argmax, or a sample. first_token may be a 0-dim tensor
+    (fused_dflash.py's graph, which never reads a value back)."""
     if len(logits) == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device), logits
-    previous = torch.tensor(int(first_token), device=logits.device)
+    previous = torch.as_tensor(first_token, device=logits.device)
     drafts, rows = [], []
     for row in logits:
         row = row + head(previous).to(row.dtype)
