@@ -38,7 +38,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
-from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
+from tinydiff.compiled import StaticDrafter, StaticModel, compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
@@ -48,6 +48,7 @@ from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fused_round import PREFILL_CHUNK, FusedAR, fused_ar_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
@@ -219,6 +220,11 @@ def run_speculative(model, prompt, args, generator, warping):
         model, drafter = compiled(args, "ddtree", target=model, drafter=drafter, block_size=block_size, budget=budget)
         decode = ddtree_sampled_generate if args.rule == "reject" else ddtree_generate
         return decode(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
+    if args.compile and args.min_confidence is None:  # each round one graph (fused_dflash.py)
+        fused = FusedDFlash(StaticModel(model, (PREFILL_CHUNK,), args.compile), StaticDrafter(drafter, (), args.compile),
+                            block_size, args.compile)
+        args.compiled_models = [fused]
+        return fused_dflash_generate(fused, prompt, args.max_new_tokens, *warping, generator, rule=args.rule or "match")
     model, drafter = compiled(args, "dflash", target=model, drafter=drafter, block_size=block_size)
     return dflash_generate(model, drafter, prompt, args.max_new_tokens, args.block_size, *warping, generator,
                            rule=args.rule or "match", min_confidence=args.min_confidence)

@@ -151,11 +151,21 @@ def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny
 
 
 @pytest.mark.compile
-def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ckpt):
+def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ckpt, tmp_path, tiny_model):
     common = ["--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 8, "--temperature", 0, "--json"]
     eager, compiled = json.loads(run(*common).stdout), json.loads(run(*common, "--compile").stdout)
     assert compiled["ids"] == eager["ids"] and compiled["stats"]["compile_seconds"] > 0
     assert "compile_seconds" not in eager["stats"]
+    # DFlash with --compile: each round one graph (fused_dflash.py), the eager tokens at T = 1 with a seed
+    from tinydiff.dflash import DFlashConfig, DFlashDrafter
+    config = DFlashConfig.for_target(tiny_model.config, block_size=4)
+    torch.manual_seed(3)
+    save_checkpoint(tmp_path / "drafter.pt", kind="dflash", config=config, model=DFlashDrafter(config, tiny_model))
+    dflash = [*common[:-3], "--temperature", 1, "--seed", 5, "--json", "--method", "dflash", "--drafter",
+              tmp_path / "drafter.pt"]
+    eager, compiled = json.loads(run(*dflash).stdout), json.loads(run(*dflash, "--compile").stdout)
+    assert compiled["ids"] == eager["ids"] and compiled["stats"]["compile_seconds"] > 0
+    assert compiled["stats"]["accepted"] == eager["stats"]["accepted"]
     for args, message in ((["--ckpt", ckpt, "--method", "ssd", "--draft", ckpt], "--compile does not apply"),
                           (["--ckpt", mdlm_ckpt], "add --cached")):
         res = run(*args, "--prompt", "hi", "--compile")

@@ -15,7 +15,7 @@ import re
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticModel, hot_steps, wrap
+from tinydiff.compiled import StaticDrafter, StaticModel, hot_steps, wrap
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
@@ -24,6 +24,7 @@ from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate)
 from tinydiff.sampler import generate, generate_cached
@@ -128,10 +129,15 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
 def run_dflash(models, prompt, args, generator, block_size, rule="match", min_confidence=None):
     """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies
     (dflash_decode.RULES: "match" drafts the drafter's argmax, "reject" samples it and applies the
-    rejection rule), all of them or (min_confidence) those before the first the drafter is unsure of."""
-    ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
-                                  args.temperature, generator=generator, stop_token=None, rule=rule,
-                                  min_confidence=min_confidence)
+    rejection rule), all of them or (min_confidence) those before the first the drafter is unsure of (with
+    --compile, each round but a -sched row's is one compiled graph: fused_dflash.py)."""
+    if "fused" in models:  # with --compile, each round one graph (fused_dflash.py)
+        ids, result = fused_dflash_generate(models["fused"], prompt, args.new_tokens, args.temperature,
+                                            generator=generator, stop_token=None, rule=rule)
+    else:
+        ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
+                                      args.temperature, generator=generator, stop_token=None, rule=rule,
+                                      min_confidence=min_confidence)
     return chain_counts(ids, result)
 
 
@@ -253,7 +259,11 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return {**models, "fused": FusedSpeculation(target, draft, mode)}
     if method.startswith("spec-k"):
         return wrap(models, spec_hot(draft_count(method)), mode)
-    if block_of(method):
+    if block_of(method) and not method.endswith("-sched"):  # the whole round: one graph
+        target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)
+        drafter = StaticDrafter(models["drafter"], (), mode)  # the eager rounds at the context's end
+        return {**models, "fused": FusedDFlash(target, drafter, block_of(method), mode)}
+    if block_of(method):  # DSpark's confidence-scheduled verify: each forward compiled
         return wrap(models, hot_steps("dflash", block_size=block_of(method)), mode)
     if method.startswith("ddtree-n"):
         block = models["drafter"].config.block_size
