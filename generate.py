@@ -38,7 +38,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
-from tinydiff.compiled import StaticDrafter, StaticModel, compile_seconds, hot_steps, wrap
+from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
@@ -48,7 +48,8 @@ from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
+from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
 from tinydiff.fused_round import PREFILL_CHUNK, FusedAR, fused_ar_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
@@ -217,12 +218,15 @@ def run_speculative(model, prompt, args, generator, warping):
     block_size = args.block_size or drafter.config.block_size
     if args.method == "ddtree":
         budget = 32 if args.budget is None else args.budget
+        if args.compile and args.rule != "reject" and drafter.markov is None:  # each round one graph (fused_ddtree.py)
+            fused = FusedDDTree(*static_pair(model, drafter, args.compile), budget, block_size, args.compile)
+            args.compiled_models = [fused]
+            return fused_ddtree_generate(fused, prompt, args.max_new_tokens, *warping, generator)
         model, drafter = compiled(args, "ddtree", target=model, drafter=drafter, block_size=block_size, budget=budget)
         decode = ddtree_sampled_generate if args.rule == "reject" else ddtree_generate
         return decode(model, drafter, prompt, args.max_new_tokens, args.block_size, budget, *warping, generator)
     if args.compile and args.min_confidence is None:  # each round one graph (fused_dflash.py)
-        fused = FusedDFlash(StaticModel(model, (PREFILL_CHUNK,), args.compile), StaticDrafter(drafter, (), args.compile),
-                            block_size, args.compile)
+        fused = FusedDFlash(*static_pair(model, drafter, args.compile), block_size, args.compile)
         args.compiled_models = [fused]
         return fused_dflash_generate(fused, prompt, args.max_new_tokens, *warping, generator, rule=args.rule or "match")
     model, drafter = compiled(args, "dflash", target=model, drafter=drafter, block_size=block_size)

@@ -1,10 +1,11 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
 Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
-fused_round.py's graphs of a whole AR step or speculative round, fused_dflash.py's of a DFlash round), with each hot step compiled
-by inductor with fullgraph=True (a graph break is an error), gives the eager loop's tokens at
-temperature 0 and its samples with the same seed at temperature 1; after every round the static
-caches hold the eager caches' rows; the hot steps really ran compiled; misuse is a one-line error.
+fused_round.py's graphs of a whole AR step or speculative round, fused_dflash.py's and fused_ddtree.py's
+of a DFlash or DDTree round), with each hot step compiled by inductor with fullgraph=True (a graph break is an error),
+gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
+after every round the static caches hold the eager caches' rows; the hot steps really ran compiled;
+misuse is a one-line error.
 The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
 only by float64 rounding, far below any argmax or sampling boundary. Compiling is the slow part
 (seconds per shape), so the wrappers are built once for the module and every test shares them.
@@ -21,6 +22,7 @@ from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
@@ -63,7 +65,8 @@ def static(eager):
     # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
     return {**models, "ar_fused": FusedAR(models["target"]),
             "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
-            "dflash_fused": FusedDFlash(models["target"], models["drafter"])}
+            "dflash_fused": FusedDFlash(models["target"], models["drafter"]),
+            "ddtree_fused": FusedDDTree(models["target"], models["drafter"], BUDGET)}
 
 
 def decode(method, models, temperature, on_round=None):
@@ -95,7 +98,9 @@ def decode(method, models, temperature, on_round=None):
         return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, rule="reject", **common)[0]
     if method in ("dflash", "dflash-fused"):
         return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, **common)[0]
-    if method == "ddtree":
+    if method == "ddtree-fused" and "ddtree_fused" in models:
+        return fused_ddtree_generate(models["ddtree_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
+    if method in ("ddtree", "ddtree-fused"):
         return ddtree_generate(t, models["drafter"], PROMPT, NEW, budget=BUDGET, on_round=on_round, **common)[0]
     if method == "eagle3":
         return eagle_generate(t, models["head"], PROMPT, NEW, k=EAGLE_K, on_round=on_round, **common)[0]
@@ -104,7 +109,7 @@ def decode(method, models, temperature, on_round=None):
 
 
 METHODS = ["ar", "ar-fused", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
-           "dflash-fused-reject", "ddtree", "eagle3", "diffusion-cached"]
+           "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -114,7 +119,7 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
 
 
 @pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused", "ddtree",
-                                    "eagle3"])
+                                    "ddtree-fused", "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -146,6 +151,7 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
     assert {key[0] for key in static["spec_fused"].round.seen} == {2}
     assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
+    assert {key[0] for key in static["ddtree_fused"].round.seen} == {BLOCK}
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
     assert static["draft_fr_round"].compile_seconds > static["draft_fr_round"].step.compile_seconds  # the chain's counted
     assert isinstance(static["target"].new_cache(1), StaticCache)
@@ -158,7 +164,8 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
-    fused = [static["ar_fused"].step, static["spec_fused"].round, static["dflash_fused"].round]
+    fused = [static[name].step if name == "ar_fused" else static[name].round
+             for name in ("ar_fused", "spec_fused", "dflash_fused", "ddtree_fused")]
     steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)

@@ -58,11 +58,13 @@ def test_match_verdict_is_sample_and_match_with_the_numbers_it_draws():
         logits = (0.5 + 3 * torch.rand((), generator=g)) * torch.randn(K + 1, V, generator=g, dtype=torch.float64)
         p = next_token_probs(logits, 0.0 if greedy else 1.0)  # (K + 1, V)
         # drafts near the target's likeliest ids: long runs of matches, full acceptances included
-        drafts = torch.where(torch.rand(K, generator=g) < 0.8, logits[:K].argmax(-1), torch.randint(0, V, (K,), generator=g))
+        guesses = torch.randint(0, V, (K,), generator=g)
+        drafts = torch.where(torch.rand(K, generator=g) < 0.8, logits[:K].argmax(-1), guesses)
         state = g.get_state()
         n, token = sample_and_match(p[:m + 1], drafts[:m], g, greedy)
         g.set_state(state)
-        u = torch.cat([torch.rand(m + 1, 1, generator=g, dtype=torch.float64), torch.zeros(K - m, 1, dtype=torch.float64)])
+        u = torch.cat([torch.rand(m + 1, 1, generator=g, dtype=torch.float64),
+                       torch.zeros(K - m, 1, dtype=torch.float64)])
         ours = match_verdict(p, drafts, u, greedy, torch.arange(K) < m)
         assert (int(ours[0]), int(ours[1])) == (n, token)
         outcomes.add((m, n))

@@ -156,7 +156,7 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
     eager, compiled = json.loads(run(*common).stdout), json.loads(run(*common, "--compile").stdout)
     assert compiled["ids"] == eager["ids"] and compiled["stats"]["compile_seconds"] > 0
     assert "compile_seconds" not in eager["stats"]
-    # DFlash with --compile: each round one graph (fused_dflash.py), the eager tokens at T = 1 with a seed
+    # DFlash and DDTree with --compile: each round one graph (fused_dflash.py), the eager tokens at T = 1 with a seed
     from tinydiff.dflash import DFlashConfig, DFlashDrafter
     config = DFlashConfig.for_target(tiny_model.config, block_size=4)
     torch.manual_seed(3)
@@ -166,6 +166,9 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
     eager, compiled = json.loads(run(*dflash).stdout), json.loads(run(*dflash, "--compile").stdout)
     assert compiled["ids"] == eager["ids"] and compiled["stats"]["compile_seconds"] > 0
     assert compiled["stats"]["accepted"] == eager["stats"]["accepted"]
+    tree = [*dflash[:-4], "--method", "ddtree", "--drafter", tmp_path / "drafter.pt", "--budget", 4]  # fused_ddtree.py
+    eager, compiled = json.loads(run(*tree).stdout), json.loads(run(*tree, "--compile").stdout)
+    assert compiled["ids"] == eager["ids"] and compiled["stats"]["accepted"] == eager["stats"]["accepted"]
     for args, message in ((["--ckpt", ckpt, "--method", "ssd", "--draft", ckpt], "--compile does not apply"),
                           (["--ckpt", mdlm_ckpt], "add --cached")):
         res = run(*args, "--prompt", "hi", "--compile")

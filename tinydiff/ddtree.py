@@ -245,6 +245,43 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
                              grow, judge, stop_token, on_round)
 
 
+def grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B, warp_args, grow, judge,
+                    tally=None):
+    """One round's tree after seq: ONE drafter forward (none when depth is 0), the tree grown to depth
+    `depth` (budget nodes at most, fewer where the cache has no room) and compiled, ONE target forward
+    over it, the walk. The target's cache then holds the prefix and every tree row (`commit_path`
+    compacts it). tally, if given, clocks the stages. Returns (tree, path, bonus, the verify's hidden
+    states N x (1, N+1, D))."""
+    device, start, t0 = target.embed.weight.device, target_cache.length, time.perf_counter()  # start: the root's position
+    if depth:
+        logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
+        tree = grow(logits, seq[-1], min(budget, target.config.context - len(seq)))  # S + N rows must fit the cache
+    else:
+        tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
+    ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+    t1 = split_time(device)  # drafting: the drafter's forward, the tree grown and compiled
+    logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=drafter.config.taps)
+    path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
+    if tally is not None:
+        tally.clock(t0, t1, time.perf_counter())  # following the tree read the target's samples back
+    return tree, path, bonus, hidden
+
+
+def commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache, hidden):
+    """The path's tokens and the bonus, cut after stop_token, appended to seq and out; the target's cache
+    compacted to the root and the committed nodes, the drafter's context extended by the same rows'
+    features. Returns (tokens, stopped)."""
+    start = len(seq) - 1
+    tokens = tree.tokens[path].tolist() + [bonus]
+    tokens, stopped = cut_at_stop(tokens, stop_token)
+    seq += tokens
+    out += tokens
+    rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
+    compact_cache(target_cache, start, rows[1:])
+    drafter.extend(draft_cache, [h[:, rows] for h in hidden])
+    return tokens, stopped
+
+
 def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, warp_args, grow, judge,
                       stop_token=EOT, on_round=None):
     """The round loop every DDTree variant shares (ddtree_generate's arguments and result):
@@ -256,32 +293,17 @@ def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budge
     if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
         raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
     B = check_drafter(target, drafter, block_size)
-    layers = drafter.config.taps
-    device, context = target.embed.weight.device, target.config.context
+    device = target.embed.weight.device
     target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
     tally = Tally(B - 1, chain=False)
     tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
-        start, t0 = target_cache.length, time.perf_counter()  # start = len(seq) - 1, the root's position
-        if depth:
-            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
-            tree = grow(logits, seq[-1], min(budget, context - len(seq)))  # S + N rows must fit the cache
-        else:
-            tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
-        ids, pos, mask = compile_tree(tree, start, seq[-1], device)
-        t1 = split_time(device)  # drafting: the drafter's forward, the tree grown and compiled
-        logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
-        path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
-        tally.clock(t0, t1, time.perf_counter())  # following the tree read the target's samples back
-        tokens = tree.tokens[path].tolist() + [bonus]
-        tokens, stopped = cut_at_stop(tokens, stop_token)
-        seq += tokens
-        out += tokens
-        rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
-        compact_cache(target_cache, start, rows[1:])
-        drafter.extend(draft_cache, [h[:, rows] for h in hidden])
+        tree, path, bonus, hidden = grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B,
+                                                    warp_args, grow, judge, tally)
+        tokens, stopped = commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache,
+                                      hidden)
         tally.add(len(path), tree.size, int(depth > 0), int(tree.depths.max()))  # a drafter forward if it drafted
         if on_round is not None:
             on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),

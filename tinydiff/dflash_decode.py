@@ -163,7 +163,8 @@ def draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, 
             drafts, q = drafts[:m], None if q is None else q[:m]
     t1 = split_time(device)
     x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-    logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)  # verify: ONE forward
+    # verify: ONE forward, which also returns the features of the inputs it reads
+    logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)
     n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, warp_args[0] == 0)
     if tally is not None:
         tally.clock(t0, t1, time.perf_counter())  # judge's int() waited for the GPU

@@ -31,7 +31,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forward
 from tinydiff.dflash_decode import RULES, check_drafter, commit, draft_and_verify, prefill_caches
 from tinydiff.errors import UserError
-from tinydiff.fused_round import uniforms, verdict
+from tinydiff.fused_round import PREFILL_CHUNK, uniforms, verdict
 from tinydiff.kernels import kernels_enabled
 from tinydiff.markov_head import draft_left_to_right
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
@@ -92,6 +92,13 @@ def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft
     for layer, (k, v) in enumerate(drafter.context_kv(features, at)):
         draft_cache.write(layer, at, k, v)
     return torch.cat([drafts, n.view(1), token.view(1)])
+
+
+def static_pair(target, drafter, compile=True):
+    """A target and a DFlash drafter wrapped for a fused round (FusedDFlash, fused_ddtree.FusedDDTree): the
+    target's forward compiled for a prefill of PREFILL_CHUNK tokens (the bench's openings read but their
+    newest token), the drafter's for nothing (it runs alone only in the eager rounds at the context's end)."""
+    return StaticModel(target, (PREFILL_CHUNK,), compile), StaticDrafter(drafter, (), compile)
 
 
 def generator_of(generator, device) -> torch.Generator:

@@ -19,8 +19,8 @@ prompt compiles once whatever its length, counted as target forwards); then ever
 into one graph, a story's last rounds too (the graph drafts k, the verdict reads the drafts there is
 room for), but for rounds at the context's end, which run the eager pieces on static models.
 
-Leaves out: plain (unpruned) drafts, trees, DFlash and EAGLE-3 (the same verdict would serve them),
-and batches.
+Leaves out: plain (unpruned) drafts, trees, EAGLE-3 (the same verdict would serve it), and batches;
+DFlash's round is fused_dflash.py's.
 """
 import time
 

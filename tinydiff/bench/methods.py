@@ -15,7 +15,7 @@ import re
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticDrafter, StaticModel, hot_steps, wrap
+from tinydiff.compiled import StaticModel, hot_steps, wrap
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
@@ -24,7 +24,8 @@ from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
+from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate)
 from tinydiff.sampler import generate, generate_cached
@@ -142,9 +143,14 @@ def run_dflash(models, prompt, args, generator, block_size, rule="match", min_co
 
 
 def run_ddtree(models, prompt, args, generator, budget):
-    """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward."""
-    ids, result = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
-                                  args.temperature, generator=generator, stop_token=None)
+    """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward (with
+    --compile and a drafter without a Markov head, each round one compiled graph: fused_ddtree.py)."""
+    if "fused" in models:
+        ids, result = fused_ddtree_generate(models["fused"], prompt, args.new_tokens, args.temperature,
+                                            generator=generator, stop_token=None)
+    else:
+        ids, result = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
+                                      args.temperature, generator=generator, stop_token=None)
     return tree_counts(ids, result)
 
 
@@ -260,14 +266,16 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if method.startswith("spec-k"):
         return wrap(models, spec_hot(draft_count(method)), mode)
     if block_of(method) and not method.endswith("-sched"):  # the whole round: one graph
-        target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)
-        drafter = StaticDrafter(models["drafter"], (), mode)  # the eager rounds at the context's end
-        return {**models, "fused": FusedDFlash(target, drafter, block_of(method), mode)}
+        return {**models, "fused": FusedDFlash(*static_pair(models["target"], models["drafter"], mode),
+                                               block_of(method), mode)}
     if block_of(method):  # DSpark's confidence-scheduled verify: each forward compiled
         return wrap(models, hot_steps("dflash", block_size=block_of(method)), mode)
     if method.startswith("ddtree-n"):
         block = models["drafter"].config.block_size
         budget = int(re.match(r"ddtree-n(\d+)", method).group(1))
+        if not method.endswith("-reject") and models["drafter"].markov is None:  # the whole round: one graph
+            return {**models, "fused": FusedDDTree(*static_pair(models["target"], models["drafter"], mode), budget,
+                                                   None, mode)}
         return wrap(models, hot_steps("ddtree", block_size=block, budget=budget), mode)
     if method.startswith("eagle3-"):
         hot = hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32)
