@@ -11,8 +11,10 @@
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
 #   3. the method bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
-#      dflash-b16 and ddtree-n32 on `tiny`: tokens/s, compile seconds, per-round draft / verify /
-#      host microseconds; the fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the
+#      dflash-b8, dflash-b16 and ddtree-n32 on `tiny` (compiled, each DFlash and DDTree round one graph:
+#      fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled steps (dflash-b16-sched with
+#      --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree): tokens/s, compile seconds,
+#      per-round draft / verify / host microseconds (a fused round's in all); the fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the
 #      sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar
 #      step taken apart (graph replay, device time, wrapper, sampling, and the eager step);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
@@ -96,11 +98,13 @@ if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
         | tee -a "$LOGDIR/summary.txt"
     echo "logs in $LOGDIR"; exit $status
 fi
-COMPILED=ar,spec-k4,dflash-b16,ddtree-n32
-step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 \
+# -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
+# ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
+COMPILED=ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject
+step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --min-confidence 0 \
     --json "$LOGDIR/bench_eager.json" "$@"
 step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
-    --json "$LOGDIR/bench_compile.json" "$@"
+    --min-confidence 0 --json "$LOGDIR/bench_compile.json" "$@"
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"

@@ -18,7 +18,7 @@ from table_models import Oracle
 from tinydiff.compiled import StaticDrafter, StaticModel
 from tinydiff.dflash_decode import argmax_drafts, dflash_generate, sample_and_match, sampled_drafts
 from tinydiff.errors import UserError
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, match_verdict, pick_drafts
+from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, match_verdict, pick_drafts, target_picks
 from tinydiff.markov_head import MarkovHead
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
@@ -48,9 +48,9 @@ def models():
 
 
 def test_match_verdict_is_sample_and_match_with_the_numbers_it_draws():
-    """With live = the first m slots, match_verdict decides as sample_and_match on those m drafts and the
-    m + 1 rows that read them, given sample_and_match's numbers (one per position it judges, the same
-    stream as m + 1 drawn at once); greedy too, where no number is read."""
+    """With live = the first m slots, match_verdict on target_picks decides as sample_and_match on those m
+    drafts and the m + 1 rows that read them, given sample_and_match's numbers (one per position it
+    judges, the same stream as m + 1 drawn at once); greedy too, where no number is read."""
     g = torch.Generator().manual_seed(0)
     K, V, outcomes = B - 1, 8, set()
     for trial in range(600):
@@ -65,10 +65,17 @@ def test_match_verdict_is_sample_and_match_with_the_numbers_it_draws():
         g.set_state(state)
         u = torch.cat([torch.rand(m + 1, 1, generator=g, dtype=torch.float64),
                        torch.zeros(K - m, 1, dtype=torch.float64)])
-        ours = match_verdict(p, drafts, u, greedy, torch.arange(K) < m)
+        y = target_picks(logits, (0.0 if greedy else 1.0, None, None), u)
+        ours = match_verdict(y, drafts, torch.arange(K) < m)
         assert (int(ours[0]), int(ours[1])) == (n, token)
         outcomes.add((m, n))
     assert outcomes == {(m, n) for m in range(B) for n in range(m + 1)}  # every count, full acceptances included
+    # A language model's vocabulary holds MASK, which the target never samples, greedy or not.
+    logits = torch.randn(3, MASK + 1, generator=g, dtype=torch.float64)
+    logits[:, MASK] = 50.0
+    greedy = target_picks(logits, (0.0, None, None), None)
+    assert torch.equal(greedy, next_token_probs(logits, 0.0).argmax(-1)) and MASK not in greedy.tolist()
+    assert MASK not in target_picks(logits, (1.0, None, None), torch.rand(3, 1, generator=g, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("rank", [0, 4])

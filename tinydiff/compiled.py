@@ -21,8 +21,9 @@ the host. Each wrapper compiles the token counts in `hot` (the steps a method re
 decoding, k + 1 for a verify, the block or tree budget); any other count (the prefill, the last
 round's shorter verify) runs the same static function eagerly, so the tokens never depend on it.
 
-fused_round.py goes one step further for `ar` and FR-Spec's rounds, fused_dflash.py for DFlash's: the
-warp, the draws and the acceptance rule inside the graph, one graph call a round.
+fused_round.py goes one step further for `ar` and FR-Spec's rounds, fused_dflash.py and fused_ddtree.py
+for DFlash's and DDTree's: the warp, the draws, the acceptance rule (and the tree) inside the graph, one
+graph call a round.
 
 Leaves out: batches, the Triton kernels inside compiled steps (inductor fuses the masked
 attention itself; `kernels_enabled(False)` while a step runs), and SSD's threaded run-ahead.
@@ -302,6 +303,6 @@ def wrap(models: dict, hot: dict, compile: bool | str = True) -> dict:
 
 
 def compile_seconds(models) -> float:
-    """Seconds the compiled wrappers among `models` (Wrapped, fused_round's, fused_dflash's) spent compiling (tracing, code
+    """Seconds the compiled wrappers among `models` (Wrapped, the fused rounds) spent compiling (tracing, code
     generation, first run); a plain model (or None) spent none."""
     return sum(getattr(m, "compile_seconds", 0.0) for m in models)

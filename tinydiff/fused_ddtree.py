@@ -5,8 +5,8 @@ an ancestor mask, and walks it with one read-back per node it visits; only the t
 compiled steps. `ddtree_round` does DDTree's four functions on the device, with fixed shapes for a
 budget of N nodes and D = B - 1 depths:
   build:   `build_tree_static`: the same best-first search as ddtree.best_first, N pops from a
-           buffer of 2N + 1 candidate slots: slot 0 holds the root's first child, pop i writes the
-           popped node's next sibling into slot 2i + 1 and its first child into slot 2i + 2. The
+           buffer of 2N + 1 candidate slots: slot 0 holds the root's first child, the j-th pop (from
+           0) writes the popped node's next sibling into slot 2j + 1 and its first child into 2j + 2. The
            argmax over the slots' scores takes the first of equal ones, the oldest push, as the
            heap's (score, push order) does, so the tree is ddtree.build_tree's node for node. A pop
            from an empty buffer (every candidate -inf) is an invalid node: no row sees it, none
@@ -34,11 +34,11 @@ from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forwa
 from tinydiff.ddtree import build_tree, check_budget, commit_path, follow_tree, grow_and_verify
 from tinydiff.dflash_decode import check_drafter, commit, prefill_caches
 from tinydiff.errors import UserError
-from tinydiff.fused_dflash import generator_of
+from tinydiff.fused_dflash import draft_block_static, generator_of, target_picks
 from tinydiff.fused_round import uniforms
 from tinydiff.kernels import kernels_enabled
-from tinydiff.model import wide
-from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
+from tinydiff.soft_labels import draftable
+from tinydiff.sampling import check_warp_args
 from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT, MASK
 
@@ -51,11 +51,8 @@ def build_tree_static(logits, budget: int, depth_limit):
     ancestors and i; an invalid node sees only itself)."""
     D, V = logits.shape
     K = min(budget, V)
-    logp = logits.to(wide(logits.dtype))
-    if V > MASK:  # never drafted, as in ddtree.draft_logprobs
-        logp = logp.clone()
-        logp[..., MASK] = float("-inf")
-    values, ids = torch.topk(torch.log_softmax(logp, -1), K, dim=-1)  # (D, K) each, best first
+    # MASK never drafted, in float32 at least: ddtree.draft_logprobs
+    values, ids = torch.topk(torch.log_softmax(draftable(logits), -1), K, dim=-1)  # (D, K) each, best first
     values = values.double()  # scores add in float64, as the heap's Python floats
     device, N = logits.device, budget
     slots = 2 * N + 1
@@ -102,15 +99,11 @@ def ddtree_round(target, drafter, target_cache, draft_cache, idx, start, depth_l
     """One round of ddtree_generate (the module docstring's steps) after a sequence whose newest token is
     idx (1,) at position start (1,); both caches hold the rows before it. depth_limit (): how deep the
     tree may grow (B - 1, less in a story's last rounds); u (B, 1) float64: the walk's uniform for each
-    depth (unread when greedy). Returns (D + 4,): the path's D tokens (its length first), the path's
-    length n, the bonus, the tree's node count and its depth."""
-    B, C = len(u), draft_cache.capacity
+    depth (unread when greedy). Returns (D + 4,): the path's tokens by depth (D, the first n of them on
+    the path), n, the bonus, the tree's node count and its depth."""
+    B = len(u)
     D = B - 1
-    at = start + torch.arange(B, device=idx.device)  # (B,): the block's positions
-    block = torch.cat([idx, torch.full((D,), MASK, dtype=idx.dtype, device=idx.device)])[None]  # (1, B)
-    column = torch.arange(C + B, device=idx.device)
-    mask = ((column < start) | (column >= C)).view(1, 1, 1, -1)  # the committed context, then the block itself
-    logits = drafter(block, at, draft_cache.k, draft_cache.v, mask)[0, 1:]  # (D, V)
+    logits, at = draft_block_static(drafter, draft_cache, idx, start, B)  # (D, V), (B,): the block's positions
     tokens, depths, parents, valid, visibility = build_tree_static(logits, budget, depth_limit)
     # compile: [the newest token, the nodes] at start + depth, rows start..start + N
     x = torch.cat([idx, tokens[1:]])[None]  # (1, N+1)
@@ -120,8 +113,7 @@ def ddtree_round(target, drafter, target_cache, draft_cache, idx, start, depth_l
     tree_rows = tree_rows.index_copy(1, rows, visibility)  # (N+1, C): each node's ancestors and itself
     logits, hidden = static_forward(target, target_cache, x, start + depths, rows, cached | tree_rows)
     # follow: the target's pick at every node; a node is on the path when its parent is and carries that pick
-    p = next_token_probs(logits[0], *warp_args)  # (N+1, V)
-    y = p.argmax(-1) if warp_args[0] == 0 else inverse_cdf(p, u.index_select(0, depths.clamp_max(D)))  # (N+1,)
+    y = target_picks(logits[0], warp_args, u.index_select(0, depths.clamp_max(D)))  # (N+1,)
     on_path = (torch.arange(budget + 1, device=idx.device) == 0).to(torch.uint8)  # (N+1,): the root (uint8: as above)
     carries = valid.to(torch.uint8) * (tokens == y.index_select(0, parents)).to(torch.uint8)  # (N+1,)
     for _ in range(D):

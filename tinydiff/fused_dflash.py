@@ -36,6 +36,7 @@ from tinydiff.kernels import kernels_enabled
 from tinydiff.markov_head import draft_left_to_right
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
 from tinydiff.tally import Tally
+from tinydiff.soft_labels import draftable
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -55,13 +56,34 @@ def pick_drafts(logits, first, u, warp_args, markov=None):
     return drafts, next_token_probs(rows, *warp_args)
 
 
-def match_verdict(p, drafts, u, greedy: bool, live):
-    """dflash_decode.sample_and_match with its uniforms given: p (K+1, V), drafts (K,), u (K+1, 1) float64
-    (unread when greedy), live (K,) as in fused_round.verdict. Every row is drawn; only the first n + 1
-    are the eager loop's draws. Returns n and the token, 0-d tensors."""
-    y = p.argmax(-1) if greedy else inverse_cdf(p, u)  # (K+1,): the target's sample at every position
+def target_picks(logits, warp_args, u):
+    """The target's sample at every row of logits (R, V), as `sampling.sample` draws it from
+    next_token_probs with the uniforms u (R, 1) float64; at temperature 0 the argmax (MASK never), without
+    writing out next_token_probs' one-hot rows. Returns (R,)."""
+    if warp_args[0] == 0:
+        return draftable(logits).argmax(-1)
+    return inverse_cdf(next_token_probs(logits, *warp_args), u)
+
+
+def match_verdict(y, drafts, live):
+    """dflash_decode.sample_and_match given the target's samples y (K+1,) at every position (`target_picks`;
+    only the first n + 1 are the eager loop's draws), drafts (K,), live (K,) as in fused_round.verdict.
+    Returns n and the token, 0-d tensors."""
     n = ((y[:-1] == drafts) & live).long().cumprod(0).sum()  # (): drafts kept up to the first mismatch
     return n, y.index_select(0, n.view(1))[0]
+
+
+def draft_block_static(drafter, draft_cache, idx, start, B: int):
+    """dflash.draft_block against a static context cache, without host synchronisation: the drafter fills
+    [idx, MASK x (B-1)] at positions start.. (idx, start (1,) each), reading the cache's rows before start.
+    Returns the logits (B-1, V) of slots 1..B-1 and the block's positions (B,), which are also the rows
+    its inputs take in both caches once verified."""
+    C = draft_cache.capacity
+    at = start + torch.arange(B, device=idx.device)  # (B,)
+    block = torch.cat([idx, torch.full((B - 1,), MASK, dtype=idx.dtype, device=idx.device)])[None]  # (1, B)
+    column = torch.arange(C + B, device=idx.device)
+    mask = ((column < start) | (column >= C)).view(1, 1, 1, -1)  # the committed context, then the block itself
+    return drafter(block, at, draft_cache.k, draft_cache.v, mask)[0, 1:], at
 
 
 def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft, u_accept, u_last, live, rule: str,
@@ -73,21 +95,15 @@ def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft
     (B, 1) float64: the "match" judge's per position, or "reject"'s last draw in its first row (unread
     when greedy); live (B-1,) bool: the slots verified. Returns (B + 1,): the B - 1 drafts, n, the token.
     """
-    B, C = len(live) + 1, draft_cache.capacity
-    at = start + torch.arange(B, device=idx.device)  # (B,): the block's positions, and both caches' rows
-    block = torch.cat([idx, torch.full((B - 1,), MASK, dtype=idx.dtype, device=idx.device)])[None]  # (1, B)
-    column = torch.arange(C + B, device=idx.device)
-    mask = ((column < start) | (column >= C)).view(1, 1, 1, -1)  # the committed context, then the block itself
-    logits = drafter(block, at, draft_cache.k, draft_cache.v, mask)[0, 1:]  # (B-1, V)
+    logits, at = draft_block_static(drafter, draft_cache, idx, start, len(live) + 1)  # (B-1, V), (B,)
     greedy, match = warp_args[0] == 0, rule == "match"
     drafts, q = pick_drafts(logits, idx, u_draft, (0.0, None, None) if match else warp_args, drafter.markov)
     x = torch.cat([idx, drafts])[None]  # (1, B)
     logits, hidden = static_forward(target, target_cache, x, at, at, None)  # (1, B, V), L + 1 x (1, B, D)
-    p = next_token_probs(logits[0], *warp_args)  # (B, V)
     if match:
-        n, token = match_verdict(p, drafts, u_last, greedy, live)
+        n, token = match_verdict(target_picks(logits[0], warp_args, u_last), drafts, live)
     else:
-        n, token = verdict(p, q, drafts, u_accept, u_last[:1], greedy, live)
+        n, token = verdict(next_token_probs(logits[0], *warp_args), q, drafts, u_accept, u_last[:1], greedy, live)
     features = drafter.features([hidden[i] for i in drafter.config.taps])  # (1, B, D)
     for layer, (k, v) in enumerate(drafter.context_kv(features, at)):
         draft_cache.write(layer, at, k, v)
