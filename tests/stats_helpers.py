@@ -108,6 +108,24 @@ def random_drafter(target, seed, std=0.5, **overrides):
     return drafter.to(target.embed.weight.dtype)
 
 
+def recorded_with_caches(decode, *args, oracle=None, prompt=None, **kwargs):
+    """decode's tokens, result and per round (drafts or None, accepted, tokens, and per cache (the
+    target's, the drafter's) its length and a copy of its valid rows), the oracle (reset to `prompt`
+    first) told of every round: test_fused_dflash's and test_fused_ddtree's record of two loops."""
+    rounds = []
+
+    def on_round(info):
+        if oracle is not None:
+            oracle.on_round(info)
+        caches = [(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v])
+                  for c in (info["target_cache"], info["draft_cache"])]
+        rounds.append((info.get("drafts"), info["accepted"], info["tokens"], caches))
+    if oracle is not None:
+        oracle.reset(prompt)
+    out, result = decode(*args, on_round=on_round, **kwargs)
+    return out, result, rounds
+
+
 def recorder(*callbacks):
     """An on_round callback that keeps each round's info (without the caches) and passes the info on
     to each of `callbacks` that is not None."""

@@ -8,7 +8,7 @@ drafter), after a one-token prompt and up to the context's end, stops where it s
 it refuses. The models are float64: two paths differ by float64 rounding only."""
 import pytest
 import torch
-from stats_helpers import float64, random_drafter, random_model
+from stats_helpers import float64, random_drafter, random_model, recorded_with_caches
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from table_models import TreeOracle
 
@@ -65,22 +65,6 @@ def test_the_static_build_is_build_tree_node_for_node(V):
         assert MASK not in tokens[1:n].tolist()
 
 
-def recorded(decode, *args, oracle=None, **kwargs):
-    """decode's tokens, result and per round (accepted, tokens, both caches' committed rows)."""
-    rounds = []
-
-    def on_round(info):
-        if oracle is not None:
-            oracle.on_round(info)
-        caches = [(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v])
-                  for c in (info["target_cache"], info["draft_cache"])]
-        rounds.append((info["accepted"], info["tokens"], caches))
-    if oracle is not None:
-        oracle.reset(PROMPT)
-    out, result = decode(*args, on_round=on_round, **kwargs)
-    return out, result, rounds
-
-
 @pytest.mark.parametrize("budget", [2, BUDGET, 12])
 @pytest.mark.parametrize("drafter", ["plain", "oracle"])
 def test_the_fused_round_commits_ddtree_generates_tokens_counts_and_caches(models, drafter, budget):
@@ -89,24 +73,25 @@ def test_the_fused_round_commits_ddtree_generates_tokens_counts_and_caches(model
     deepest = 0
     for warp in WARPS:
         for seed in range(2):
-            common = {"generator": torch.Generator().manual_seed(seed), "stop_token": None, "oracle": oracle}
-            ours, ours_result, ours_rounds = recorded(fused_ddtree_generate, fused(target, drafter, budget), PROMPT,
-                                                      NEW, *warp, **common)
+            common = {"generator": torch.Generator().manual_seed(seed), "stop_token": None, "oracle": oracle,
+                      "prompt": PROMPT}
+            ours, ours_result, ours_rounds = recorded_with_caches(fused_ddtree_generate, fused(target, drafter, budget),
+                                                                  PROMPT, NEW, *warp, **common)
             common["generator"] = torch.Generator().manual_seed(seed)
-            theirs, result, rounds = recorded(ddtree_generate, target, drafter, PROMPT, NEW, None, budget, *warp,
-                                              **common)
+            theirs, result, rounds = recorded_with_caches(ddtree_generate, target, drafter, PROMPT, NEW, None, budget,
+                                                          *warp, **common)
             assert ours == theirs and len(ours) == NEW
             assert ours_result.accepted == result.accepted and ours_result.proposed == result.proposed
             assert ours_result.slot_judged == result.slot_judged and ours_result.slot_kept == result.slot_kept
             assert ours_result.forwards == result.forwards and ours_result.draft_forwards == result.draft_forwards
             assert ours_result.draft_seconds is None  # a fused round has no stages to clock
-            for (n, tokens, caches), (m, their_tokens, reference) in zip(ours_rounds, rounds, strict=True):
+            for (_, n, tokens, caches), (_, m, their_tokens, reference) in zip(ours_rounds, rounds, strict=True):
                 assert (n, tokens) == (m, their_tokens)
                 for (length, rows), (reference_length, reference_rows) in zip(caches, reference):
                     assert length == reference_length
                     for a, b in zip(rows, reference_rows):
                         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-            deepest = max(deepest, max(n for n, _, _ in ours_rounds))
+            deepest = max(deepest, max(n for _, n, _, _ in ours_rounds))
     assert deepest == min(B - 1, budget) or oracle is None  # with the oracle, paths as deep as a tree may reach
 
 

@@ -11,7 +11,7 @@ loop's tokens draw for draw, its samples follow the target's distribution as tho
 only, far below any sampling boundary."""
 import pytest
 import torch
-from stats_helpers import float64, random_drafter, random_model
+from stats_helpers import float64, random_drafter, random_model, recorded_with_caches
 from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from table_models import Oracle
 
@@ -104,22 +104,6 @@ def test_pick_drafts_picks_what_the_eager_draws_pick(rank):
         assert warp[0] == 0 or (q.max(-1).values < 1).all()
 
 
-def recorded(decode, *args, oracle=None, **kwargs):
-    """decode's tokens, result and per round (drafts, accepted, tokens, both caches' committed rows)."""
-    rounds = []
-
-    def on_round(info):
-        if oracle is not None:
-            oracle.on_round(info)
-        caches = [(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v])
-                  for c in (info["target_cache"], info["draft_cache"])]
-        rounds.append((info["drafts"], info["accepted"], info["tokens"], caches))
-    if oracle is not None:
-        oracle.reset(PROMPT)
-    out, result = decode(*args, on_round=on_round, **kwargs)
-    return out, result, rounds
-
-
 @pytest.mark.parametrize("rule", ["match", "reject"])
 @pytest.mark.parametrize("drafter", ["plain", "markov", "oracle"])
 def test_the_fused_round_commits_dflash_generates_tokens_counts_and_caches(models, drafter, rule):
@@ -129,11 +113,12 @@ def test_the_fused_round_commits_dflash_generates_tokens_counts_and_caches(model
     for warp in WARPS:
         for seed in range(2):
             common = {"generator": torch.Generator().manual_seed(seed), "stop_token": None, "rule": rule,
-                      "oracle": oracle}
-            ours, ours_result, ours_rounds = recorded(fused_dflash_generate, fused(target, drafter), PROMPT, NEW,
-                                                      *warp, **common)
+                      "oracle": oracle, "prompt": PROMPT}
+            ours, ours_result, ours_rounds = recorded_with_caches(fused_dflash_generate, fused(target, drafter),
+                                                                  PROMPT, NEW, *warp, **common)
             common["generator"] = torch.Generator().manual_seed(seed)
-            theirs, result, rounds = recorded(dflash_generate, target, drafter, PROMPT, NEW, None, *warp, **common)
+            theirs, result, rounds = recorded_with_caches(dflash_generate, target, drafter, PROMPT, NEW, None, *warp,
+                                                          **common)
             assert ours == theirs and len(ours) == NEW
             assert ours_result.accepted == result.accepted and ours_result.slot_kept == result.slot_kept
             assert ours_result.forwards == result.forwards and ours_result.draft_forwards == result.draft_forwards

@@ -38,12 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tinydiff.ar import check_prompt
 from tinydiff.dflash import draft_block
-from tinydiff.dflash_decode import check_drafter, prefill_caches
+from tinydiff.dflash_decode import start_decoding
 from tinydiff.errors import UserError
 from tinydiff.model import wide
-from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.sampling import next_token_probs, sample
 from tinydiff.speculative import cut_at_stop
 from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT, MASK
@@ -252,7 +251,8 @@ def grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budg
     over it, the walk. The target's cache then holds the prefix and every tree row (`commit_path`
     compacts it). tally, if given, clocks the stages. Returns (tree, path, bonus, the verify's hidden
     states N x (1, N+1, D))."""
-    device, start, t0 = target.embed.weight.device, target_cache.length, time.perf_counter()  # start: the root's position
+    device, t0 = target.embed.weight.device, time.perf_counter()
+    start = target_cache.length  # the root's position, len(seq) - 1
     if depth:
         logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
         tree = grow(logits, seq[-1], min(budget, target.config.context - len(seq)))  # S + N rows must fit the cache
@@ -288,16 +288,12 @@ def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budge
     grow(draft_logits (D, V), root_token, n) -> a Tree of at most n nodes; judge(tree, p_at) ->
     (path, bonus), p_at(node) the target's warped distribution (V,) at a node of the verified tree."""
     check_budget(budget)
-    check_warp_args(*warp_args)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
-        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
-    B = check_drafter(target, drafter, block_size)
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
+                                                                  warp_args)
     device = target.embed.weight.device
-    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
     seq, out = list(prompt), []
     tally = Tally(B - 1, chain=False)
-    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally.prefill = prefill
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
         tree, path, bonus, hidden = grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B,

@@ -145,6 +145,20 @@ def prefill_caches(target, drafter, prompt, target_cache, draft_cache) -> int:
     return 1
 
 
+def start_decoding(target, drafter, prompt, max_new_tokens, block_size, warp_args):
+    """What every loop of a block drafter (DFlash, DDTree, their fused rounds) checks and does before its
+    first round: the warp, the prompt (MASK would read as a MASK slot: the drafter embeds MASK with its
+    own vector), the drafter and block size; then both caches, and the prefill. Returns (new tokens to
+    decode, B, target_cache, draft_cache, prefill forwards)."""
+    check_warp_args(*warp_args)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    if MASK in prompt:
+        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
+    B = check_drafter(target, drafter, block_size)
+    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
+    return n_new, B, target_cache, draft_cache, prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+
+
 def draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule, warp_args, generator=None,
                      min_confidence=None, tally=None):
     """One round's drafting and verifying after seq: ONE drafter forward for the block (none when n_drafts
@@ -205,16 +219,12 @@ def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, te
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
     if min_confidence is not None:
         PROBABILITY.check("min_confidence", min_confidence)
-    check_warp_args(temperature, top_k, top_p)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    if MASK in prompt:  # it would read as a MASK slot: the drafter embeds MASK with its own vector
-        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
-    B = check_drafter(target, drafter, block_size)
     warp_args, device = (temperature, top_k, top_p), target.embed.weight.device
-    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
+                                                                  warp_args)
     seq, out = list(prompt), []
     tally = Tally(B - 1)
-    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally.prefill = prefill
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
         drafts, n, token, hidden = draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule,

@@ -29,18 +29,16 @@ sampled trees judged by recursive rejection (ddtree_sampled.py), batches.
 """
 import torch
 
-from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forward
 from tinydiff.ddtree import build_tree, check_budget, commit_path, follow_tree, grow_and_verify
-from tinydiff.dflash_decode import check_drafter, commit, prefill_caches
+from tinydiff.dflash_decode import check_drafter, commit, start_decoding
 from tinydiff.errors import UserError
 from tinydiff.fused_dflash import draft_block_static, generator_of, target_picks
 from tinydiff.fused_round import uniforms
 from tinydiff.kernels import kernels_enabled
 from tinydiff.soft_labels import draftable
-from tinydiff.sampling import check_warp_args
 from tinydiff.tally import Tally
-from tinydiff.tokenizer import EOT, MASK
+from tinydiff.tokenizer import EOT
 
 
 def build_tree_static(logits, budget: int, depth_limit):
@@ -192,14 +190,11 @@ def fused_ddtree_generate(fused: FusedDDTree, prompt, max_new_tokens, temperatur
     """ddtree.ddtree_generate with each round one compiled graph: the same arguments (the models, block size
     and budget are fused's), tokens and counts. on_round's info has no `tree` (it never leaves the
     device) and `path` is None; a fused round has no stages to clock (draft_seconds stays None)."""
-    check_warp_args(temperature, top_k, top_p)
-    target, drafter, B, warp_args = fused.target, fused.drafter, fused.block_size, (temperature, top_k, top_p)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    if MASK in prompt:
-        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
-    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
+    target, drafter, warp_args = fused.target, fused.drafter, (temperature, top_k, top_p)
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens,
+                                                                  fused.block_size, warp_args)
     seq, out, tally = list(prompt), [], Tally(B - 1, chain=False)
-    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally.prefill = prefill
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # as ddtree_generate: never past n_new
         if fused.fits(target_cache, draft_cache, seq):

@@ -27,14 +27,13 @@ dflash_decode.py's loop over compiled steps), draft trees (ddtree.py), batches.
 """
 import torch
 
-from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forward
-from tinydiff.dflash_decode import RULES, check_drafter, commit, draft_and_verify, prefill_caches
+from tinydiff.dflash_decode import RULES, check_drafter, commit, draft_and_verify, start_decoding
 from tinydiff.errors import UserError
 from tinydiff.fused_round import PREFILL_CHUNK, uniforms, verdict
 from tinydiff.kernels import kernels_enabled
 from tinydiff.markov_head import draft_left_to_right
-from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
+from tinydiff.sampling import inverse_cdf, next_token_probs
 from tinydiff.tally import Tally
 from tinydiff.soft_labels import draftable
 from tinydiff.tokenizer import EOT, MASK
@@ -188,14 +187,11 @@ def fused_dflash_generate(fused: FusedDFlash, prompt, max_new_tokens, temperatur
     drafting and verifying: the result's draft_seconds and verify_seconds stay None."""
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
-    check_warp_args(temperature, top_k, top_p)
-    target, drafter, B, warp_args = fused.target, fused.drafter, fused.block_size, (temperature, top_k, top_p)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    if MASK in prompt:
-        raise UserError(f"the prompt holds the MASK id {MASK}; pass text (MASK is only for diffusion canvases)")
-    target_cache, draft_cache = target.new_cache(1), drafter.new_cache(1)
+    target, drafter, warp_args = fused.target, fused.drafter, (temperature, top_k, top_p)
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens,
+                                                                  fused.block_size, warp_args)
     seq, out, tally = list(prompt), [], Tally(B - 1)
-    tally.prefill = prefill_caches(target, drafter, prompt, target_cache, draft_cache)
+    tally.prefill = prefill
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # as dflash_generate: never past n_new
         if fused.fits(target_cache, draft_cache, seq):
