@@ -10,16 +10,18 @@
 #   2. python -m tinydiff.kernels.bench $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
-#   3. the method bench with and without --compile (static-shape steps, CUDA graphs) for ar, spec-k4,
-#      dflash-b8, dflash-b16 and ddtree-n32 on `tiny` (compiled, each DFlash and DDTree round one graph:
-#      fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled steps (dflash-b16-sched with
-#      --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree): tokens/s, compile seconds,
-#      per-round draft / verify / host microseconds (a fused round's in all); the fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the
-#      sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar
-#      step taken apart (graph replay, device time, wrapper, sampling, and the eager step);
+#   3. the method bench with and without --compile (static-shape steps, CUDA graphs) on `tiny`: ar,
+#      spec-k4, dflash-b8, dflash-b16 and ddtree-n32 (compiled, each DFlash and DDTree round one graph:
+#      fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled steps (dflash-b16-sched at
+#      --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree), and compiled ar-steps8 (8 AR
+#      tokens a graph call: fused_steps.py): tokens/s, compile seconds, per-round draft / verify / host
+#      microseconds (a fused round's in all); then the fused rounds of fused_round.py (ar, spec-k2-fr,
+#      spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids); then
+#      scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step taken apart (graph
+#      replay, device time, wrapper, sampling, and the eager step);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
-#   5. ar on an untrained `13m`, eager and compiled;
+#   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
 #   6. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models at temperature 0 and 1 (every
 #      method, the kernels in the model paths), where the budget leaves time.
 # Needs nothing from the network (tiktoken's GPT-2 ranks come from TIKTOKEN_CACHE_DIR,
@@ -103,7 +105,7 @@ fi
 COMPILED=ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject
 step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --min-confidence 0 \
     --json "$LOGDIR/bench_eager.json" "$@"
-step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --compile \
+step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED,ar-steps8" --new-tokens 64 --prompts 2 --compile \
     --min-confidence 0 --json "$LOGDIR/bench_compile.json" "$@"
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
@@ -126,7 +128,7 @@ M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
 c = preset('13m'); torch.manual_seed(0); save_checkpoint(sys.argv[1], kind='ar', config=c, model=Transformer(c))" "$M13"
 step bench_13m_eager 45 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 \
     --json "$LOGDIR/bench_13m_eager.json"
-step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 --compile \
+step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar,ar-steps8 --new-tokens 64 --prompts 2 --compile \
     --json "$LOGDIR/bench_13m.json"
 step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
 step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \

@@ -38,7 +38,7 @@ def test_bench_rows(ckpt, mdlm_ckpt, story_file, tmp_path):
                          "--data", str(story_file), "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text()) == report and report["device"]
     rows = {r["method"]: r for r in report["rows"]}
-    assert list(rows) == list(bench.METHODS)
+    assert list(rows) == [m for m in bench.METHODS if m not in bench.STEPS_ROWS]  # those pay only with --compile
     assert rows["ar"]["tau"] == 1 and rows["ar"]["target_forwards_per_token"] == 1 and rows["ar"]["speedup_vs_ar"] == 1
     for name, k in (("spec-k2", 2), ("spec-k4", 4), ("spec-k8", 8), ("spec-k2-fr", 2), ("spec-k3-fr", 3),
                     ("spec-k4-fr", 4)):
@@ -173,6 +173,22 @@ def test_bench_compile_runs_ar_fr_dflash_and_ddtree_rows_on_fused_rounds(tiny_mo
     ours = METHODS[method](fused, prompt, args, torch.Generator().manual_seed(0))
     assert ours["new_tokens"] == plain["new_tokens"] == 12 and ours.get("accepted") == plain.get("accepted")
     assert ours["target_forwards"] == plain["target_forwards"] + (method in ("ar", "spec-k2-fr"))
+
+
+def test_bench_ar_steps_rows_decode_their_steps_a_call(tiny_model):
+    """An ar-steps<S> row decodes S tokens a graph call (fused_steps.py), compiled or not: every call runs
+    all S forwards, the prompt's are read apart. Compiled, its wrapper is made once for the bench."""
+    from types import SimpleNamespace
+
+    from tinydiff.bench.methods import METHODS, compiled_models
+    args = SimpleNamespace(compile=False, new_tokens=12, temperature=1.0)
+    prompt = [EOT, 3, 4]
+    ar = METHODS["ar"]({"target": tiny_model}, prompt, args, torch.Generator().manual_seed(0))
+    for models in ({"target": tiny_model}, compiled_models("ar-steps8", {"target": tiny_model}, args)):
+        row = METHODS["ar-steps8"](models, prompt, args, torch.Generator().manual_seed(0))
+        assert row["new_tokens"] == ar["new_tokens"] == 12
+        assert row["target_forwards"] == 1 + 16 and ar["target_forwards"] == 12  # a prompt chunk; two calls of 8
+    assert compiled_models("ar-steps4", {"target": tiny_model}, args)["fused"].steps == 4
 
 
 def test_bench_times_a_round_run_as_one_graph_in_all():

@@ -1,8 +1,9 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
 Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
-fused_round.py's graphs of a whole AR step or speculative round, fused_dflash.py's and fused_ddtree.py's
-of a DFlash or DDTree round), with each hot step compiled by inductor with fullgraph=True (a graph break is an error),
+fused_round.py's graphs of a whole AR step or speculative round, fused_steps.py's of several AR steps,
+fused_dflash.py's and fused_ddtree.py's of a DFlash or DDTree round), with each hot step compiled by
+inductor with fullgraph=True (a graph break is an error),
 gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
 after every round the static caches hold the eager caches' rows; the hot steps really ran compiled;
 misuse is a one-line error.
@@ -27,6 +28,7 @@ from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate)
+from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
 from tinydiff.speculative import speculative_generate
@@ -34,8 +36,9 @@ from tinydiff.speculative import speculative_generate
 pytestmark = pytest.mark.compile
 PROMPT, NEW = [3, 1, 4, 1, 5], 16
 # Spec drafts, DFlash block, DDTree nodes, EAGLE drafts, diffusion block: K + 1 = BLOCK = EAGLE_K + 1
-# makes one verify shape for three methods (one compile).
-K, BLOCK, BUDGET, EAGLE_K, CANVAS = 3, 4, 6, 3, 8
+# makes one verify shape for three methods (one compile). STEPS: AR tokens per graph (fused_steps.py),
+# not a divisor of NEW, so a story's last call keeps fewer than it draws.
+K, BLOCK, BUDGET, EAGLE_K, CANVAS, STEPS = 3, 4, 6, 3, 8, 3
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def static(eager):
               "head": eager["head"],  # the head's few tiny forwards stay eager
               "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
     # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
-    return {**models, "ar_fused": FusedAR(models["target"]),
+    return {**models, "ar_fused": FusedAR(models["target"]), "ar_steps": FusedSteps(models["target"], STEPS),
             "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
             "dflash_fused": FusedDFlash(models["target"], models["drafter"]),
             "ddtree_fused": FusedDDTree(models["target"], models["drafter"], BUDGET)}
@@ -77,6 +80,9 @@ def decode(method, models, temperature, on_round=None):
         return ar_generate(t, PROMPT, NEW, **common)[0]
     if method == "ar-fused":  # eagerly: plain ar_generate
         return fused_ar_generate(models["ar_fused"], PROMPT, NEW, **common)[0] if "ar_fused" in models \
+            else ar_generate(t, PROMPT, NEW, **common)[0]
+    if method == "ar-steps":  # eagerly: plain ar_generate
+        return multi_step_generate(models["ar_steps"], PROMPT, NEW, **common)[0] if "ar_steps" in models \
             else ar_generate(t, PROMPT, NEW, **common)[0]
     if method == "spec-fr-fused" and "spec_fused" in models:
         return fused_speculative_generate(models["spec_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
@@ -108,7 +114,7 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "ar-fused", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
+METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
            "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "diffusion-cached"]
 
 
@@ -148,6 +154,7 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert {key[0] for key in static["draft"].step.seen} == {key[0] for key in static["draft_fr"].step.seen} == {1}
     assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
     assert (0.0, None, None) in static["ar_fused"].step.seen
+    assert (0.0, None, None) in static["ar_steps"].call.seen
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
     assert {key[0] for key in static["spec_fused"].round.seen} == {2}
     assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
@@ -164,8 +171,8 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
-    fused = [static[name].step if name == "ar_fused" else static[name].round
-             for name in ("ar_fused", "spec_fused", "dflash_fused", "ddtree_fused")]
+    fused = [static["ar_fused"].step, static["ar_steps"].call] + \
+        [static[name].round for name in ("spec_fused", "dflash_fused", "ddtree_fused")]
     steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)

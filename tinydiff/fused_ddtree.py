@@ -33,8 +33,8 @@ from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forwa
 from tinydiff.ddtree import build_tree, check_budget, commit_path, follow_tree, grow_and_verify
 from tinydiff.dflash_decode import check_drafter, commit, start_decoding
 from tinydiff.errors import UserError
-from tinydiff.fused_dflash import draft_block_static, generator_of, target_picks
-from tinydiff.fused_round import uniforms
+from tinydiff.fused_dflash import draft_block_static, target_picks
+from tinydiff.fused_round import RewindableDraws
 from tinydiff.kernels import kernels_enabled
 from tinydiff.soft_labels import draftable
 from tinydiff.tally import Tally
@@ -169,16 +169,13 @@ class FusedDDTree:
         size, its depth, the bonus) as host values."""
         device, B, greedy = self.target.embed.weight.device, self.block_size, warp_args[0] == 0
         idx, start = torch.tensor([seq[-1]], device=device), torch.tensor([len(seq) - 1], device=device)  # (1,) each
-        rewind = None if greedy else generator_of(generator, device)
-        state = None if greedy else rewind.get_state()
-        u = uniforms((B, 1), greedy, rewind, device)  # one per depth the walk may visit
+        draws = RewindableDraws(generator, device, greedy)
+        u = draws.draw((B, 1))  # one per depth the walk may visit
         with kernels_enabled(False):
             packed = self.round(self.budget, (B, warp_args), target_cache, draft_cache, idx, start,
                                 torch.tensor(depth, device=device), u, self.budget, warp_args)
         *path, n, bonus, size, height = packed.tolist()  # the round's one read-back
-        if rewind is not None:  # spend what the eager walk spends: one number per node it visits
-            rewind.set_state(state)
-            torch.rand(n + 1, 1, generator=rewind, device=device, dtype=torch.float64)
+        draws.spend(n + 1)  # what the eager walk spends: one number per node it visits
         target_cache.advance(self.rows())
         draft_cache.advance(self.rows())
         return path[:n], size, height, bonus

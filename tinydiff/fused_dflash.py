@@ -30,7 +30,7 @@ import torch
 from tinydiff.compiled import Compiled, StaticDrafter, StaticModel, static_forward
 from tinydiff.dflash_decode import RULES, check_drafter, commit, draft_and_verify, start_decoding
 from tinydiff.errors import UserError
-from tinydiff.fused_round import PREFILL_CHUNK, uniforms, verdict
+from tinydiff.fused_round import PREFILL_CHUNK, RewindableDraws, padded, uniforms, verdict
 from tinydiff.kernels import kernels_enabled
 from tinydiff.markov_head import draft_left_to_right
 from tinydiff.sampling import inverse_cdf, next_token_probs
@@ -116,16 +116,6 @@ def static_pair(target, drafter, compile=True):
     return StaticModel(target, (PREFILL_CHUNK,), compile), StaticDrafter(drafter, (), compile)
 
 
-def generator_of(generator, device) -> torch.Generator:
-    """The generator torch.rand draws from on `device` when given `generator` (None: the device's default)."""
-    if generator is not None:
-        return generator
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
 class FusedDFlash:
     """A target (StaticModel) and a DFlash drafter (StaticDrafter) whose rounds of a block of `block_size`
     (default the drafter's) run as one compiled dflash_round (with `compile`: True, a COMPILE_MODES name, or
@@ -155,25 +145,22 @@ class FusedDFlash:
         (drafts, n, token) as host values, drafts the n_drafts verified."""
         device, B, m, greedy = self.target.embed.weight.device, self.block_size, n_drafts, warp_args[0] == 0
         idx, start = torch.tensor([seq[-1]], device=device), torch.tensor([len(seq) - 1], device=device)  # (1,) each
-        pad = lambda u, rows: torch.cat([u, u.new_zeros((rows - len(u),) + u.shape[1:])])  # noqa: E731
-        rewind = None
+        draws = None
         if rule == "match":  # no draft draws; the judge spends n + 1 of the m + 1 drawn here
             u_draft, u_accept = uniforms((B - 1, 1), True, None, device), torch.zeros(B - 1, device=device)
-            if not greedy:
-                rewind = generator_of(generator, device)
-                state = rewind.get_state()
-            u_last = uniforms((m + 1, 1), greedy, rewind, device)
+            draws = RewindableDraws(generator, device, greedy)
+            u_last = draws.draw((m + 1, 1))
         else:  # speculative.verify's draws: the drafts', the acceptance tests' (at T = 0 too), the last one
             u_draft = uniforms((m, 1), greedy, generator, device)
             u_accept = torch.rand(m, generator=generator, device=device) if m else torch.zeros(0, device=device)
             u_last = uniforms((1, 1), greedy, generator, device)
         with kernels_enabled(False):
-            packed = self.round(B, (B, rule, warp_args), target_cache, draft_cache, idx, start, pad(u_draft, B - 1),
-                                pad(u_accept, B - 1), pad(u_last, B), self.live[m], rule, warp_args)
+            packed = self.round(B, (B, rule, warp_args), target_cache, draft_cache, idx, start,
+                                padded(u_draft, B - 1), padded(u_accept, B - 1), padded(u_last, B), self.live[m],
+                                rule, warp_args)
         *drafts, n, token = packed.tolist()  # the round's one read-back
-        if rewind is not None:  # spend what the eager judge spends: one number per position judged
-            rewind.set_state(state)
-            torch.rand(n + 1, 1, generator=rewind, device=device, dtype=torch.float64)
+        if draws is not None:  # spend what the eager judge spends: one number per position judged
+            draws.spend(n + 1)
         target_cache.advance(B)
         draft_cache.advance(B)
         return drafts[:m], n, token

@@ -147,6 +147,41 @@ def uniforms(shape, greedy: bool, generator, device, dtype=torch.float64):
     return torch.rand(shape, generator=generator, device=device, dtype=dtype)
 
 
+def padded(u, rows: int):
+    """u (R, ...) with zero rows after it, to `rows` rows: a graph's fixed shape, the zeros never read."""
+    return torch.cat([u, u.new_zeros((rows - len(u),) + u.shape[1:])])
+
+
+def generator_of(generator, device) -> torch.Generator:
+    """The generator torch.rand draws from on `device` when given `generator` (None: the device's default)."""
+    if generator is not None:
+        return generator
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+class RewindableDraws:
+    """Uniforms for a graph that learns only as it runs how many of them the eager loop would have spent
+    (a judge that stops at its first mismatch, a walk down a tree, a story that stops): `draw` them all
+    before the graph runs, then `spend(count)` rewinds the generator and spends `count`, one per number
+    the eager loop drew. Greedy: nothing drawn (zeros), nothing spent."""
+
+    def __init__(self, generator, device, greedy: bool):
+        self.device, self.greedy = device, greedy
+        self.generator = None if greedy else generator_of(generator, device)
+        self.state = None if greedy else self.generator.get_state()
+
+    def draw(self, shape):
+        return uniforms(shape, self.greedy, self.generator, self.device)
+
+    def spend(self, count: int):
+        if not self.greedy:
+            self.generator.set_state(self.state)
+            torch.rand(count, 1, generator=self.generator, device=self.device, dtype=torch.float64)
+
+
 class FusedAR:
     """A model for fused_ar_generate: `model`, a StaticModel, reads the prompt (its prefill), and `step` is
     sampled_step compiled (with `compile`: True, a COMPILE_MODES name, or False for eager)."""
@@ -199,7 +234,7 @@ class FusedSpeculation:
         u_accept = torch.rand(m, generator=generator, device=device)  # verify draws them at T = 0 too
         u_last = uniforms((1, 1), greedy, generator, device)
         if m < k:  # the slots past the verified ones draft from zeros; nothing reads them
-            u_draft, u_accept = (torch.cat([u, u.new_zeros((k - m,) + u.shape[1:])]) for u in (u_draft, u_accept))
+            u_draft, u_accept = padded(u_draft, k), padded(u_accept, k)
         with kernels_enabled(False):
             packed = self.round(idx.shape[1], (idx.shape[1], warp_args), target_cache, draft_cache, idx, rows,
                                 u_draft, u_accept, u_last, self.live[m], k, warp_args)

@@ -28,6 +28,7 @@ from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
                                   fused_speculative_generate)
+from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import draft_round, speculative_generate
@@ -39,6 +40,15 @@ def run_ar(models, prompt, args, generator):
     its draw one graph: fused_round.py)."""
     decode, model = (fused_ar_generate, models["fused"]) if "fused" in models else (ar_generate, models["target"])
     ids, result = decode(model, prompt, args.new_tokens, args.temperature, generator=generator, stop_token=None)
+    return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
+
+
+def run_ar_steps(models, prompt, args, generator, steps):
+    """ar with `steps` tokens per graph call, read back once (fused_steps.py): the same tokens. It pays
+    only with --compile; without, the same calls run eagerly on a static cache."""
+    fused = models.get("fused") or FusedSteps(StaticModel(models["target"], (), False), steps, False)
+    ids, result = multi_step_generate(fused, prompt, args.new_tokens, args.temperature, generator=generator,
+                                      stop_token=None)
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
 
@@ -185,6 +195,7 @@ MEANS = ("unique_experts_per_block", "expert_bytes_per_forward", "moe_seconds_pe
 
 METHODS = {
     "ar": run_ar,
+    **{f"ar-steps{s}": (lambda *a, s=s: run_ar_steps(*a, steps=s)) for s in (4, 8, 16)},
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
@@ -221,6 +232,7 @@ METHODS = {
 
 
 FR_ROWS = {name for name in METHODS if name.endswith("-fr")}  # the rows that decode with models["draft_fr"]
+STEPS_ROWS = {name for name in METHODS if name.startswith("ar-steps")}  # ar, several tokens a graph call
 
 
 def block_of(method: str) -> int | None:
@@ -258,6 +270,9 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     mode = args.compile
     if method == "ar":  # the step and its draw: one graph; the prompt in compiled chunks
         return {**models, "fused": FusedAR(StaticModel(models["target"], (PREFILL_CHUNK,), mode), mode)}
+    if method in STEPS_ROWS:  # several steps and their draws: one graph
+        steps = int(method.removeprefix("ar-steps"))
+        return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), steps, mode)}
     if method in FR_ROWS:  # the whole round, a story's last ones too: one graph; the prompt in compiled chunks
         k = draft_count(method)
         target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)

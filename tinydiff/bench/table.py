@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from tinydiff.bench.measure import (PROMPTS, device_name, heldout_nll, heldout_openings, load_models, measure,
                                     measure_interleaved)
-from tinydiff.bench.methods import FR_ROWS, METHODS, USES, block_of, compiled_models, draft_count
+from tinydiff.bench.methods import FR_ROWS, METHODS, STEPS_ROWS, USES, block_of, compiled_models, draft_count
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE
@@ -75,8 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="TinyStories-format file: report held-out NLL on its validation split")
     p.add_argument("--draft-vocab", type=COUNT, default=4096, help="for the spec-*-fr rows (FR-Spec): the draft's "
                    "head scores only this many ids, the most frequent in --data's training split")
-    p.add_argument("--methods", help=f"comma list from: {', '.join(METHODS)} (default: all; the -fr rows only "
-                   "with --data, where they count their vocabulary)")
+    p.add_argument("--methods", help=f"comma list from: {', '.join(METHODS)} (default: all but the ar-steps rows, "
+                   "which pay only with --compile; the -fr rows only with --data, where they count their vocabulary)")
     p.add_argument("--new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
     p.add_argument("--prompts", type=COUNT, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts "
                    "(with --openings or --report: how many held-out story openings)")
@@ -102,7 +102,7 @@ def parse_args(argv=None):
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     if args.methods is None:
-        args.methods = ",".join(m for m in METHODS if args.data or m not in FR_ROWS)
+        args.methods = ",".join(m for m in METHODS if (args.data or m not in FR_ROWS) and m not in STEPS_ROWS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
