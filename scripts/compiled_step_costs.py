@@ -9,8 +9,11 @@ each call, so every call has the same shape):
   gpu      the same calls measured by CUDA events: the device's own time (CUDA only);
   call     StaticModel.__call__ around it (positions, copies out of the graph's pool, cache length);
   token    call + next_token_probs + sample + int(): one step of ar_generate's loop;
+  fused    fused_round.py's step (forward, warp and draw one graph) + int(): a `--compile` ar token;
+  steps8   fused_steps.py's call of 8 steps + tolist(), per token: an ar-steps8 token;
   eager    the same token with the plain model (the readable reference the compiled step replaces).
-The differences say what to cut next: token - call is the sampling, call - replay the wrapper.
+The differences say what to cut next: token - call is the sampling, call - replay the wrapper,
+fused - steps8 what a graph call costs beyond its kernels, over 7/8.
 An untrained model of the preset has the same costs as a trained one.
 """
 import argparse
@@ -22,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from tinydiff.compiled import StaticModel
+from tinydiff.fused_round import FusedAR
+from tinydiff.fused_steps import FusedSteps
 from tinydiff.kernels import kernels_enabled
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
@@ -89,14 +94,29 @@ def main():
             cache_.crop(length)
             return int(sample(next_token_probs(logits, 0.0, None, None)))
 
+        greedy, u = (0.0, None, None), torch.zeros(8, 1, 1, dtype=torch.float64, device=device)
+        fused, steps = FusedAR(static), FusedSteps(static, 8)
+
+        def fused_token():  # as fused_ar_generate's loop: a new (1, 1) token and row tensor a call
+            with kernels_enabled(False):
+                return int(fused.step(1, greedy, cache, x.clone(), rows.clone(), u[0], greedy))
+
+        def steps_call():  # as multi_step_generate's loop; the 8 rows it writes lie past the kept length
+            with kernels_enabled(False):
+                return steps.call(8, greedy, cache, x.clone(), rows.clone(), u, greedy).tolist()
+
         eager_cache = model.new_cache(1)
         model(prompt[:, :-1], cache=eager_cache, causal=True)
-        call()  # compiles the hot shape once, outside the timing
+        call()  # compiles the hot shapes once, outside the timing
+        fused_token()
+        steps_call()
         rows_out = {"replay": per_call_us(replay, args.calls, device)}
         if device.type == "cuda":
             rows_out["gpu"] = gpu_us(replay, args.calls)
         rows_out["call"] = per_call_us(call, args.calls, device)
         rows_out["token"] = per_call_us(lambda: token(static, cache), args.calls, device)
+        rows_out["fused"] = per_call_us(fused_token, args.calls, device)
+        rows_out["steps8"] = per_call_us(steps_call, args.calls, device) / 8
         rows_out["eager"] = per_call_us(lambda: token(model, eager_cache), args.calls, device)
     name = args.ckpt or f"untrained {args.preset}"
     print(f"{name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
