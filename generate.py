@@ -50,7 +50,8 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, FusedAR, fused_ar_generate
+from tinydiff.fused_round import PREFILL_CHUNK
+from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
 from tinydiff.self_speculative import ORDERS, self_speculative_generate
@@ -326,10 +327,10 @@ def main(argv=None):
         args.temperature = 0.8 if args.temperature is None else args.temperature
         warping = (args.temperature, args.top_k or None, args.top_p)
         args.method = method
-        if method == "ar" and args.compile:  # each step and its draw one graph (fused_round.py)
-            fused = FusedAR(StaticModel(model, (PREFILL_CHUNK,), args.compile), args.compile)
+        if method == "ar" and args.compile:  # each step and its draw one graph (fused_steps.py)
+            fused = FusedSteps(StaticModel(model, (PREFILL_CHUNK,), args.compile), 1, args.compile)
             args.compiled_models = [fused]
-            ids, result = fused_ar_generate(fused, prompt, args.max_new_tokens, *warping, generator)
+            ids, result = multi_step_generate(fused, prompt, args.max_new_tokens, *warping, generator)
         elif method == "ar":
             ids, result = ar_generate(model, prompt, args.max_new_tokens, *warping, generator)
         else:

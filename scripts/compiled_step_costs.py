@@ -9,8 +9,9 @@ each call, so every call has the same shape):
   gpu      the same calls measured by CUDA events: the device's own time (CUDA only);
   call     StaticModel.__call__ around it (positions, copies out of the graph's pool, cache length);
   token    call + next_token_probs + sample + int(): one step of ar_generate's loop;
-  fused    fused_round.py's step (forward, warp and draw one graph) + int(): a `--compile` ar token;
-  steps8   fused_steps.py's call of 8 steps + tolist(), per token: an ar-steps8 token;
+  fused    fused_steps.py's one-token call (forward, warp and draw one graph) + tolist(): a `--compile`
+           ar token;
+  steps8   its call of 8 steps + tolist(), per token: an ar-steps8 token;
   eager    the same token with the plain model (the readable reference the compiled step replaces).
 The differences say what to cut next: token - call is the sampling, call - replay the wrapper,
 fused - steps8 what a graph call costs beyond its kernels, over 7/8.
@@ -25,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from tinydiff.compiled import StaticModel
-from tinydiff.fused_round import FusedAR
 from tinydiff.fused_steps import FusedSteps
 from tinydiff.kernels import kernels_enabled
 from tinydiff.kinds import load_model
@@ -95,11 +95,11 @@ def main():
             return int(sample(next_token_probs(logits, 0.0, None, None)))
 
         greedy, u = (0.0, None, None), torch.zeros(8, 1, 1, dtype=torch.float64, device=device)
-        fused, steps = FusedAR(static), FusedSteps(static, 8)
+        fused, steps = FusedSteps(static, 1), FusedSteps(static, 8)
 
-        def fused_token():  # as fused_ar_generate's loop: a new (1, 1) token and row tensor a call
+        def fused_token():  # as multi_step_generate's loop: a new (1, 1) token and row tensor a call
             with kernels_enabled(False):
-                return int(fused.step(1, greedy, cache, x.clone(), rows.clone(), u[0], greedy))
+                return fused.call(1, greedy, cache, x.clone(), rows.clone(), u[:1], greedy).tolist()
 
         def steps_call():  # as multi_step_generate's loop; the 8 rows it writes lie past the kept length
             with kernels_enabled(False):

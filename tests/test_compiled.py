@@ -1,7 +1,7 @@
 """Spec: static-shape decoding, compiled (tinydiff/compiled.py), decodes exactly as the eager loops do.
 
 Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
-fused_round.py's graphs of a whole AR step or speculative round, fused_steps.py's of several AR steps,
+fused_round.py's graph of a whole speculative round, fused_steps.py's of one or several AR steps,
 fused_dflash.py's and fused_ddtree.py's of a DFlash or DDTree round), with each hot step compiled by
 inductor with fullgraph=True (a graph break is an error),
 gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
@@ -26,8 +26,7 @@ from tinydiff.errors import UserError
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
-from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
-                                  fused_speculative_generate)
+from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
@@ -66,7 +65,7 @@ def static(eager):
               "head": eager["head"],  # the head's few tiny forwards stay eager
               "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
     # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
-    return {**models, "ar_fused": FusedAR(models["target"]), "ar_steps": FusedSteps(models["target"], STEPS),
+    return {**models, "ar_fused": FusedSteps(models["target"], 1), "ar_steps": FusedSteps(models["target"], STEPS),
             "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
             "dflash_fused": FusedDFlash(models["target"], models["drafter"]),
             "ddtree_fused": FusedDDTree(models["target"], models["drafter"], BUDGET)}
@@ -79,7 +78,7 @@ def decode(method, models, temperature, on_round=None):
     if method == "ar":
         return ar_generate(t, PROMPT, NEW, **common)[0]
     if method == "ar-fused":  # eagerly: plain ar_generate
-        return fused_ar_generate(models["ar_fused"], PROMPT, NEW, **common)[0] if "ar_fused" in models \
+        return multi_step_generate(models["ar_fused"], PROMPT, NEW, **common)[0] if "ar_fused" in models \
             else ar_generate(t, PROMPT, NEW, **common)[0]
     if method == "ar-steps":  # eagerly: plain ar_generate
         return multi_step_generate(models["ar_steps"], PROMPT, NEW, **common)[0] if "ar_steps" in models \
@@ -153,7 +152,7 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert static["drafter"].step.seen == {BLOCK}
     assert {key[0] for key in static["draft"].step.seen} == {key[0] for key in static["draft_fr"].step.seen} == {1}
     assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
-    assert (0.0, None, None) in static["ar_fused"].step.seen
+    assert (0.0, None, None) in static["ar_fused"].call.seen
     assert (0.0, None, None) in static["ar_steps"].call.seen
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
     assert {key[0] for key in static["spec_fused"].round.seen} == {2}
@@ -171,7 +170,7 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
-    fused = [static["ar_fused"].step, static["ar_steps"].call] + \
+    fused = [static["ar_fused"].call, static["ar_steps"].call] + \
         [static[name].round for name in ("spec_fused", "dflash_fused", "ddtree_fused")]
     steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:

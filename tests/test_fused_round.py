@@ -1,24 +1,23 @@
-"""Spec: fused_round.py's graphs (an AR step with its draw, a speculative round with its verdict) decide
-exactly what the eager loops decide. `verdict` is speculative.verify given the numbers verify draws:
-the same accepted count and token for every p, q and draft, greedy included; `sampled_verdict`, its fast
-path at a plain temperature, decides as it does. The fused loops, run here
-uncompiled (compile=False: the same functions, eagerly; tests/test_compiled.py runs them compiled),
-commit the eager loops' tokens from the same seeds at every warp, with the same counts and the same
-cache rows after every round, stop where they stop, and refuse what they refuse. Being the eager
-loops' tokens draw for draw, their samples follow the target's distribution as those do
+"""Spec: fused_round.py's graph of a speculative round with its verdict decides exactly what the eager
+loop decides (the AR step's graph is tests/test_fused_steps.py's). `verdict` is speculative.verify
+given the numbers verify draws: the same accepted count and token for every p, q and draft, greedy
+included; `sampled_verdict`, its fast path at a plain temperature, decides as it does. The fused
+loop, run here uncompiled (compile=False: the same functions, eagerly; tests/test_compiled.py runs it
+compiled), commits the eager loop's tokens from the same seeds at every warp, with the same counts
+and the same cache rows after every round, stops where it stops, and refuses what it refuses. Being
+the eager loop's tokens draw for draw, its samples follow the target's distribution as those do
 (test_speculative.py's chi-square tests). The models are float64: two paths differ by float64
 rounding only, far below any sampling boundary."""
 import pytest
 import torch
 from stats_helpers import assert_caches_equal, assert_same, float64, one_thread, perturbed, random_model  # noqa: F401 (one_thread: autouse)
 
-from tinydiff.ar import ar_generate
 from tinydiff.compiled import StaticModel
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.errors import UserError
 from tinydiff.frequent_vocab import FrequentVocabDraft, in_vocab, subset_draft_round
-from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
-                                  fused_speculative_generate, prefill, sampled_verdict, verdict)
+from tinydiff.fused_round import (PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate, prefill, sampled_verdict,
+                                  verdict)
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import speculative_generate, verify
@@ -35,10 +34,9 @@ def models():
     # Close to the target, so that rounds accept every draft too; ids that are multiples of 9 only come
     # back through the residual.
     draft = FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])
-    ar = FusedAR(StaticModel(target, (), compile=False), compile=False)
     spec = FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(draft, K, compile=False),
                             compile=False)
-    return target, draft, ar, spec
+    return target, draft, spec
 
 
 def test_verdict_is_verifys_rule_with_the_numbers_verify_draws():
@@ -147,16 +145,6 @@ def test_a_chunked_prefill_reads_the_prompt_as_one_forward_does(length):
     assert_caches_equal((cache, reference))  # the padding lies past the length, unread
 
 
-@pytest.mark.parametrize("warp", WARPS)
-def test_the_fused_ar_step_commits_ar_generates_tokens(models, warp):
-    target, _, ar, _ = models
-    for seed in range(3):
-        ours = fused_ar_generate(ar, PROMPT, NEW, *warp, generator=torch.Generator().manual_seed(seed), stop_token=None)
-        theirs = ar_generate(target, PROMPT, NEW, *warp, generator=torch.Generator().manual_seed(seed), stop_token=None)
-        assert ours[0] == theirs[0]
-        assert ours[1].forwards == theirs[1].forwards + 1 == NEW + 1  # the prompt read apart, in one chunk
-
-
 def recorded(decode, *args, **kwargs):
     """decode's tokens, result and per round (accepted, tokens, cache copies)."""
     rounds = []
@@ -169,7 +157,7 @@ def recorded(decode, *args, **kwargs):
 
 @pytest.mark.parametrize("warp", WARPS)
 def test_the_fused_round_commits_speculative_generates_tokens_counts_and_caches(models, warp):
-    target, draft, _, spec = models
+    target, draft, spec = models
     full = set()
     for seed in range(3):
         ours, ours_result, ours_rounds = recorded(fused_speculative_generate, spec, PROMPT, NEW, *warp,
@@ -192,14 +180,9 @@ def test_the_fused_round_commits_speculative_generates_tokens_counts_and_caches(
     assert K in full  # a full acceptance happened, so a fused round read two catch-up tokens
 
 
-def test_the_fused_loops_stop_where_the_eager_loops_stop(models):
-    target, draft, ar, spec = models
+def test_the_fused_loop_stops_where_the_eager_loop_stops(models):
+    target, draft, spec = models
     g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
-    story = ar_generate(target, PROMPT, NEW, 1.0, generator=g(), stop_token=None)[0]
-    stop = story[NEW // 2]  # a token the story holds: both loops stop at its first appearance
-    ours = fused_ar_generate(ar, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0]
-    assert ours == ar_generate(target, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0] == \
-        story[:story.index(stop) + 1]
     story = fused_speculative_generate(spec, PROMPT, NEW, 1.0, generator=g(), stop_token=None)[0]
     stop = story[NEW // 2]  # a round may commit tokens past it: they are dropped
     ours = fused_speculative_generate(spec, PROMPT, NEW, 1.0, generator=g(), stop_token=stop)[0]
@@ -213,7 +196,7 @@ def test_the_fused_loop_commits_the_eager_tokens_after_a_one_token_prompt_and_up
     """The loop's other paths: a 1-token prompt (no prefill; the first round's draft reads one token,
     its own shape), and a story that fills the context, where the last rounds have no room for the
     graph's k + 1 rows and run the eager pieces."""
-    target, draft, _, spec = models
+    target, draft, spec = models
     graph_rounds = []
     run_round = spec.run_round
     monkeypatch.setattr(spec, "run_round", lambda *a: graph_rounds.append(1) or run_round(*a))
@@ -231,9 +214,9 @@ def test_the_fused_loop_commits_the_eager_tokens_after_a_one_token_prompt_and_up
 
 
 def test_bad_input_is_a_one_line_error(models):
-    target, draft, ar, spec = models
+    target, draft, spec = models
     with pytest.raises(UserError, match="prompt is empty"):
-        fused_ar_generate(ar, [], 4)
+        fused_speculative_generate(spec, [], 4)
     with pytest.raises(UserError, match="temperature"):
         fused_speculative_generate(spec, PROMPT, 4, temperature=-1.0)
     with pytest.raises(UserError, match="max new tokens"):

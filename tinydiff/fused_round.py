@@ -1,29 +1,28 @@
-"""Decoding rounds as single compiled graphs: an AR step with its draw, a speculative round with its verdict.
+"""A speculative round as one compiled graph: FR-Spec's drafts, the verify and Leviathan's verdict; and
+what every fused loop shares (the prompt's prefill, the draws made before a graph runs).
 
 compiled.py compiles each model's forward and leaves the loop around it eager: the target's warp,
 the acceptance rule, the draws, and one call into a compiled step per model per round, each of which
 checks its guards. On a CPU that host work costs about as much as a small draft's forward
 (docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
-  - `sampled_step`: an AR decoding step: the forward of the newest token, the warp, the draw;
-  - `speculative_round`: FR-Spec's k drafts (compiled_round.draft_chain), the target's forward of the
-    newest token and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature
-    `sampled_verdict`, which writes out one row of probabilities, not k + 1) and the committed token's
-    draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
-The graphs' uniforms are drawn before they run, from the loop's generator and in the eager loop's
-order (the drafts', the k acceptance tests', the last draw's), so they commit the eager loop's tokens.
+`speculative_round` is FR-Spec's k drafts (compiled_round.draft_chain), the target's forward of the
+newest token and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature
+`sampled_verdict`, which writes out one row of probabilities, not k + 1) and the committed token's
+draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
+The graph's uniforms are drawn before it runs, from the loop's generator and in the eager loop's
+order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens.
 One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
-at T > 0 and the graphs always spend one; both stay exact draws.
-`fused_ar_generate` and `fused_speculative_generate` are ar_generate and speculative_generate on these
-graphs. Both read the prompt but its newest token first (`prefill`: forwards of a fixed chunk, so the
-prompt compiles once whatever its length, counted as target forwards); then every round is one call
-into one graph, a story's last rounds too (the graph drafts k, the verdict reads the drafts there is
-room for), but for rounds at the context's end, which run the eager pieces on static models.
+at T > 0 and the graph always spends one; both stay exact draws.
+`fused_speculative_generate` is speculative_generate on this graph. It reads the prompt but its
+newest token first (`prefill`: forwards of a fixed chunk, so the prompt compiles once whatever its
+length, counted as target forwards); then every round is one call into one graph, a story's last
+rounds too (the graph drafts k, the verdict reads the drafts there is room for), but for rounds at
+the context's end, which run the eager pieces on static models.
 
-Leaves out: plain (unpruned) drafts, trees, EAGLE-3 (the same verdict would serve it), and batches;
-DFlash's round is fused_dflash.py's.
+Leaves out: plain (unpruned) drafts, trees, EAGLE-3 (the same verdict would serve it), and batches.
+AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflash.py's, DDTree's
+fused_ddtree.py's.
 """
-import time
-
 import torch
 
 from tinydiff.ar import check_prompt
@@ -34,7 +33,7 @@ from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs, residual
 from tinydiff.soft_labels import draftable
 from tinydiff.speculative import check_models, commit, target_probs, verify
-from tinydiff.tally import Decoded, Tally, elapsed
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT
 
 PREFILL_CHUNK = 8  # tokens a prefill forward reads: a bench prompt is EOT + an 8-token opening, read but its last
@@ -85,14 +84,6 @@ def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, tempera
     r = p.index_add(1, ids, -q).clamp_min(0)  # (1, V): max(0, p - q), or p itself
     last = torch.where(r.sum(-1, keepdim=True) > 0, r, p)  # residual's rule where p == q
     return n, inverse_cdf(last, u_last)[0]
-
-
-def sampled_step(model, cache, idx, rows, u, warp_args):
-    """An ar_generate step: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
-    (unread when greedy). Returns the next token (1,)."""
-    logits, _ = static_forward(model, cache, idx, rows, rows, None)  # (1, 1, V)
-    p = next_token_probs(logits[0], *warp_args)  # (1, V)
-    return p.argmax(-1) if warp_args[0] == 0 else inverse_cdf(p, u)
 
 
 def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, rows, u_draft, u_accept, u_last,
@@ -182,19 +173,6 @@ class RewindableDraws:
             torch.rand(count, 1, generator=self.generator, device=self.device, dtype=torch.float64)
 
 
-class FusedAR:
-    """A model for fused_ar_generate: `model`, a StaticModel, reads the prompt (its prefill), and `step` is
-    sampled_step compiled (with `compile`: True, a COMPILE_MODES name, or False for eager)."""
-
-    def __init__(self, model: StaticModel, compile=True):
-        self.model = model
-        self.step = Compiled(lambda *a: sampled_step(model.module, *a), model.embed.weight.device, (1,), compile)
-
-    @property
-    def compile_seconds(self) -> float:
-        return self.model.compile_seconds + self.step.compile_seconds
-
-
 class FusedSpeculation:
     """A target and FR-Spec's draft for fused_speculative_generate: rounds of k drafts run as one compiled
     speculative_round, a story's last rounds (fewer drafts verified) too. The draft reads the token before
@@ -242,33 +220,6 @@ class FusedSpeculation:
         draft_cache.advance(T0 + m - 1 if m else 0)  # the rows an eager round of m drafts writes
         target_cache.advance(m + 1)
         return drafts[:m], n, token
-
-
-@torch.no_grad()
-def fused_ar_generate(fused: FusedAR, prompt, max_new_tokens=None, temperature=1.0, top_k=None, top_p=None,
-                      generator=None, stop_token=EOT):
-    """ar.ar_generate with one compiled graph per token: the same arguments and tokens. The prompt but its
-    newest token is read first (`prefill`, counted in `forwards`); every token then comes from a step."""
-    check_warp_args(temperature, top_k, top_p)
-    model, warp_args = fused.model, (temperature, top_k, top_p)
-    n_new = check_prompt(prompt, model.config.context, max_new_tokens)
-    device = model.embed.weight.device
-    cache = model.new_cache(1)
-    start = time.perf_counter()
-    # The prompt but its newest token in chunks; then every token, the first included, is a step's draw.
-    forwards = prefill(model, cache, prompt[:-1])[1] if len(prompt) > 1 else 0
-    out = []
-    while len(out) < n_new:
-        idx = torch.tensor([[out[-1] if out else prompt[-1]]], device=device)  # (1, 1): the newest token
-        rows = torch.tensor([cache.length], device=device)  # (1,)
-        u = uniforms((1, 1), temperature == 0, generator, device)
-        with kernels_enabled(False):
-            token = fused.step(1, warp_args, cache, idx, rows, u, warp_args)
-        cache.advance(1)
-        out.append(int(token))
-        if out[-1] == stop_token:
-            break
-    return out, Decoded(new_tokens=len(out), forwards=len(out) + forwards, seconds=elapsed(start, device))
 
 
 @torch.no_grad()

@@ -1,19 +1,21 @@
-"""AR decoding several tokens per compiled graph: multi-step decoding at batch 1.
+"""AR decoding as compiled graphs of S tokens: one token a call (`ar` with --compile), or several.
 
-fused_round.FusedAR makes each token one graph call, and its loop reads the token back before the
-next call. What a call costs the host (the compiled function's guards, the wrapper, on CUDA the
-graph replay's bookkeeping, the wait for the read-back) is then paid once per token: on the H200 a
-compiled `tiny` step took 480 us, several times what its kernels need (docs/LOG.md). vLLM's multi-step
-scheduling (`--num-scheduler-steps`) runs several decoding steps before it goes back to the host; so
-does `decode_steps` here: `steps` AR steps (fused_round.sampled_step) unrolled in one graph, each
-step's token the next step's input on the device, the `steps` tokens read back once.
+An AR step with its draw is one graph, `sampled_step`: the forward of the newest token, the warp, the
+draw (its uniform drawn before the graph runs, from the loop's generator in ar_generate's order).
+With one token a call, the loop reads each token back before the next call, and what a call costs
+the host (the compiled function's guards, the wrapper, on CUDA the graph replay's bookkeeping, the
+wait for the read-back) is paid once per token: on the H200 a compiled `tiny` step took 480 us,
+several times what its kernels need (docs/LOG.md). vLLM's multi-step scheduling
+(`--num-scheduler-steps`) runs several decoding steps before it goes back to the host; so does
+`decode_steps` here: S steps unrolled in one graph, each step's token the next step's input on the
+device, the S tokens read back once.
 
 The host cannot stop a graph halfway. A story that ends inside a call (at its stop token, or at
 max_new_tokens) keeps its tokens up to there, and the call's later steps are wasted work: `forwards`
 counts the forwards run, not the tokens kept. Random numbers: a call draws one per step whose token
-it may keep, in ar_generate's order; after a stop token the generator is rewound to spend one per
-token kept, as ar_generate spends them (fused_round.RewindableDraws). Tokens whose rows a call would
-write past the cache are decoded one at a time by sampled_step, eagerly.
+it may keep; after a stop token the generator is rewound to spend one per token kept, as
+ar_generate spends them (fused_round.RewindableDraws). Tokens whose rows a call would write past the
+cache are decoded one at a time by sampled_step, eagerly.
 (As in fused_round.py, `sampling.sample` spends no number on an exactly one-hot row at T > 0, the
 graph does; both are exact draws.)
 
@@ -25,13 +27,21 @@ import time
 import torch
 
 from tinydiff.ar import check_prompt
-from tinydiff.compiled import Compiled, StaticModel
+from tinydiff.compiled import Compiled, StaticModel, static_forward
 from tinydiff.errors import UserError
-from tinydiff.fused_round import RewindableDraws, padded, prefill, sampled_step
+from tinydiff.fused_round import RewindableDraws, padded, prefill
 from tinydiff.kernels import kernels_enabled
-from tinydiff.sampling import check_warp_args
+from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
 from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import EOT
+
+
+def sampled_step(model, cache, idx, rows, u, warp_args):
+    """An ar_generate step: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
+    (unread when greedy). Returns the next token (1,)."""
+    logits, _ = static_forward(model, cache, idx, rows, rows, None)  # (1, 1, V)
+    p = next_token_probs(logits[0], *warp_args)  # (1, V)
+    return p.argmax(-1) if warp_args[0] == 0 else inverse_cdf(p, u)
 
 
 def decode_steps(model, cache, idx, rows, u, warp_args, steps: int):
@@ -48,7 +58,8 @@ def decode_steps(model, cache, idx, rows, u, warp_args, steps: int):
 
 class FusedSteps:
     """A model for multi_step_generate: `model`, a StaticModel, reads the prompt (its prefill), and `call`
-    is decode_steps of `steps` tokens compiled (with `compile`: True, a COMPILE_MODES name, or False)."""
+    is decode_steps of `steps` tokens compiled (with `compile`: True, a COMPILE_MODES name, or False).
+    steps=1 is `ar` with --compile (the bench's row, generate.py)."""
 
     def __init__(self, model: StaticModel, steps: int, compile=True):
         if not isinstance(model, StaticModel):
@@ -68,7 +79,8 @@ class FusedSteps:
 def multi_step_generate(fused: FusedSteps, prompt, max_new_tokens=None, temperature=1.0, top_k=None, top_p=None,
                         generator=None, stop_token=EOT):
     """ar.ar_generate with fused.steps tokens per compiled graph: the same arguments and tokens. The prompt
-    but its newest token is read first (`prefill`); every token then comes from a call's steps."""
+    but its newest token is read first (`prefill`, counted in `forwards`); every token then comes from a
+    call's steps, the first included."""
     check_warp_args(temperature, top_k, top_p)
     model, steps, warp_args = fused.model, fused.steps, (temperature, top_k, top_p)
     n_new = check_prompt(prompt, model.config.context, max_new_tokens)

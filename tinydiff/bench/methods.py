@@ -26,8 +26,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.frequent_vocab import subset_draft_round
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import (PREFILL_CHUNK, FusedAR, FusedSpeculation, fused_ar_generate,
-                                  fused_speculative_generate)
+from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.self_speculative import self_speculative_generate
@@ -37,8 +36,8 @@ from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 def run_ar(models, prompt, args, generator):
     """Plain KV-cached decoding with the target: one forward per token (with --compile, each step and
-    its draw one graph: fused_round.py)."""
-    decode, model = (fused_ar_generate, models["fused"]) if "fused" in models else (ar_generate, models["target"])
+    its draw one graph: fused_steps.py, one step a call)."""
+    decode, model = (multi_step_generate, models["fused"]) if "fused" in models else (ar_generate, models["target"])
     ids, result = decode(model, prompt, args.new_tokens, args.temperature, generator=generator, stop_token=None)
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
@@ -269,7 +268,7 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
         return None
     mode = args.compile
     if method == "ar":  # the step and its draw: one graph; the prompt in compiled chunks
-        return {**models, "fused": FusedAR(StaticModel(models["target"], (PREFILL_CHUNK,), mode), mode)}
+        return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), 1, mode)}
     if method in STEPS_ROWS:  # several steps and their draws: one graph
         steps = int(method.removeprefix("ar-steps"))
         return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), steps, mode)}
