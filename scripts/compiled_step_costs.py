@@ -123,6 +123,9 @@ def main():
           f"{args.calls} calls at cache length {length}")
     for key, us in rows_out.items():
         print(f"{key:<8}{us:9.1f} us  ({1e6 / us:8.0f} per second)")
+    if device.type == "cuda":  # a graph inductor left uncaptured runs its kernels one launch at a time
+        from torch._dynamo.utils import counters
+        print(f"graphs that skipped CUDA graphs: {counters['inductor']['cudagraph_skips']} (TORCH_LOGS=cudagraphs: why)")
 
 
 if __name__ == "__main__":

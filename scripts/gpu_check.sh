@@ -105,8 +105,9 @@ fi
 COMPILED=ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject
 step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --min-confidence 0 \
     --json "$LOGDIR/bench_eager.json" "$@"
-step bench_compile 240 "$PY" -m tinydiff.bench --methods "$COMPILED,ar-steps8" --new-tokens 64 --prompts 2 --compile \
-    --min-confidence 0 --json "$LOGDIR/bench_compile.json" "$@"
+# TORCH_LOGS=cudagraphs: the log says when inductor skips CUDA graphs or records one again, and why
+step bench_compile 240 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench --methods "$COMPILED,ar-steps8" \
+    --new-tokens 64 --prompts 2 --compile --min-confidence 0 --json "$LOGDIR/bench_compile.json" "$@"
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"

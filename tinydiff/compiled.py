@@ -28,6 +28,7 @@ graph call a round.
 Leaves out: batches, the Triton kernels inside compiled steps (inductor fuses the masked
 attention itself; `kernels_enabled(False)` while a step runs), and SSD's threaded run-ahead.
 """
+import copy
 import time
 import types
 
@@ -51,6 +52,12 @@ class StaticCache(KVCache):
         if static_address:  # CUDA graphs replay fixed addresses: the buffers must never move
             for t in self.k + self.v:
                 torch._dynamo.mark_static_address(t)
+
+    def emptied(self) -> "StaticCache":
+        """A new cache on these buffers with no valid row (what they hold is hidden, as past any length)."""
+        cache = copy.copy(self)  # the same k and v lists, so the same tensors
+        cache.length = 0
+        return cache
 
     def write(self, layer: int, rows, k, v):
         """k, v (B, H, T, D) into rows (T,) (a device tensor); returns the whole buffers (B, H, C, D)."""
@@ -196,6 +203,7 @@ class Wrapped:
     def __init__(self, module, forward, device, hot, compile):
         self.module = module
         self.step = Compiled(forward, device, hot, compile)
+        self.cache_buffers = self.newest_cache = None  # with CUDA graphs: the one set of buffers, the newest cache
 
     @property
     def __class__(self):
@@ -208,9 +216,26 @@ class Wrapped:
     def compile_seconds(self) -> float:
         return self.step.compile_seconds
 
+    def replays_cuda_graphs(self, weight) -> bool:
+        return self.step.compiled is not None and weight.is_cuda
+
     def static_cache(self, config, weight) -> StaticCache:
-        return StaticCache(config, 1, weight.device, weight.dtype,
-                           static_address=self.step.compiled is not None and weight.is_cuda)
+        """A cache for one story. Where the steps replay CUDA graphs, every story's cache is the same buffers,
+        emptied: a graph replays fixed addresses, and inductor's CUDA-graph trees record a graph again (and
+        keep the old recording) whenever a static input moves, so new buffers for each story would record
+        every graph once a story. One story at a time per wrapper, then: `check_current` refuses a cache
+        whose buffers the wrapper has since given to a newer one."""
+        if not self.replays_cuda_graphs(weight):
+            return StaticCache(config, 1, weight.device, weight.dtype)
+        if self.cache_buffers is None:
+            self.cache_buffers = StaticCache(config, 1, weight.device, weight.dtype, static_address=True)
+        self.newest_cache = self.cache_buffers.emptied()
+        return self.newest_cache
+
+    def check_current(self, cache: StaticCache):
+        if self.newest_cache is not None and cache is not self.newest_cache and cache.k is self.newest_cache.k:
+            raise UserError("this cache's buffers now hold a newer story: a model compiled for CUDA graphs decodes "
+                            "one story at a time with one cache; wrap the model once per role (target, draft)")
 
 
 class StaticModel(Wrapped):
@@ -230,6 +255,7 @@ class StaticModel(Wrapped):
         """Transformer.forward's arguments, for the calls decoding makes: a StaticCache is required."""
         if not isinstance(cache, StaticCache):
             raise UserError("a StaticModel decodes with its own caches: pass cache=model.new_cache(1)")
+        self.check_current(cache)
         if mask is None and causal is False:
             raise UserError("a StaticModel reads causally or with an explicit mask")
         T, past, device = idx.shape[1], cache.length, idx.device
