@@ -39,6 +39,7 @@ from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
+from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
@@ -50,7 +51,8 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK
+from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
+from tinydiff.frequent_vocab import every_id
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
@@ -197,8 +199,14 @@ def run_speculative(model, prompt, args, generator, warping):
         if not args.draft:
             raise UserError(f"--method {args.method} needs --draft DRAFT_CKPT (an AR model with the same tokenizer)")
         draft, _ = load_model(args.draft, args.device, kinds=("ar",))
+        if args.method == "spec" and args.compile:  # each round one graph (fused_round.py), the plain draft
+            # as the subset of every id (frequent_vocab.every_id): the same tokens
+            fused = FusedSpeculation(StaticModel(model, (PREFILL_CHUNK,), args.compile),
+                                     StaticSubsetDraft(every_id(draft), args.k, args.compile, hot=(PREFILL_CHUNK,)),
+                                     args.compile)
+            args.compiled_models = [fused]
+            return fused_speculative_generate(fused, prompt, args.max_new_tokens, *warping, generator)
         if args.method == "spec":
-            model, draft = compiled(args, "spec", target=model, draft=draft, k=args.k)
             return speculative_generate(model, draft, prompt, args.max_new_tokens, args.k, *warping, generator)
         if args.device == "cpu":
             torch.set_num_threads(1)  # the draft's thread and the target's each get one core

@@ -104,10 +104,10 @@ def test_bench_compile_counts_as_eager_and_times_compiling_apart(ckpt, mdlm_ckpt
     out = capsys.readouterr().out
     for plain, static in zip(eager["rows"], compiled["rows"]):
         assert plain.get("accepted_hist") == static.get("accepted_hist")  # greedy: the same rounds, compiled or not
-        # Fused `ar` (fused_round.py) reads the prompt in forwards of its own (chunks of 8 tokens): whole
-        # forwards more a prompt of 6 new tokens, at least one.
+        # Fused `ar` and spec (fused_steps.py, fused_round.py) read the prompt in forwards of their own (chunks
+        # of 8 tokens): whole forwards more a prompt of 6 new tokens, at least one.
         extra = 6 * (static["target_forwards_per_token"] - plain["target_forwards_per_token"])
-        assert extra == 0 if plain["method"] != "ar" else extra == pytest.approx(round(extra)) and round(extra) >= 1
+        assert extra == 0 if plain["method"] == "diffusion" else extra == pytest.approx(round(extra)) and round(extra) >= 1
     rows = {r["method"]: r for r in compiled["rows"]}
     assert rows["ar"]["compiled"] and rows["spec-k2"]["compiled"] and rows["spec-k2"]["compile_seconds"] > 0
     assert rows["diffusion"]["compiled"] is False and "diffusion: eager (--compile does not cover it)" in out
@@ -151,19 +151,20 @@ def test_bench_takes_a_late_compile_out_of_the_phase_it_fell_in(tiny_model):
     assert row["us_per_round"] == {"draft": 0.25e6, "verify": 0.5e6, "host": 0.25e6}
 
 
-@pytest.mark.parametrize("method", ["ar", "spec-k2-fr", "dflash-b8", "dflash-b16-reject", "ddtree-n8"])
-def test_bench_compile_runs_ar_fr_dflash_and_ddtree_rows_on_fused_rounds(tiny_model, method):
-    """With --compile, `ar` and the -fr rows decode through fused_round.py, the dflash and ddtree rows
-    through fused_dflash.py and fused_ddtree.py (here with the graphs run eagerly: compile mode False): the
-    same rounds as the eager rows, and for the first two one more target forward (the prompt read apart;
-    DFlash and DDTree read it apart eagerly too)."""
+@pytest.mark.parametrize("method", ["ar", "spec-k2", "spec-k2-fr", "dflash-b8", "dflash-b16-reject", "ddtree-n8"])
+def test_bench_compile_runs_ar_spec_dflash_and_ddtree_rows_on_fused_rounds(tiny_model, method):
+    """With --compile, `ar` decodes through fused_steps.py, the spec rows (a plain draft as the subset of every
+    id) through fused_round.py, the dflash and ddtree rows through fused_dflash.py and fused_ddtree.py (here
+    with the graphs run eagerly: compile mode False): the same rounds as the eager rows, and for `ar` and
+    spec one more target forward (the prompt read apart; DFlash and DDTree read it apart eagerly too)."""
     from types import SimpleNamespace
 
     from tinydiff.bench.methods import METHODS, compiled_models
     from tinydiff.dflash import DFlashConfig, DFlashDrafter
     from tinydiff.frequent_vocab import FrequentVocabDraft
     torch.manual_seed(3)
-    models = {"target": tiny_model, "draft_fr": FrequentVocabDraft(tiny_model, torch.arange(0, 50000, 50)),
+    models = {"target": tiny_model, "draft": tiny_model,
+              "draft_fr": FrequentVocabDraft(tiny_model, torch.arange(0, 50000, 50)),
               "drafter": DFlashDrafter(DFlashConfig.for_target(tiny_model.config, block_size=16), tiny_model)}
     args = SimpleNamespace(compile=False, new_tokens=12, temperature=1.0)
     fused = compiled_models(method, models, args)
@@ -172,7 +173,7 @@ def test_bench_compile_runs_ar_fr_dflash_and_ddtree_rows_on_fused_rounds(tiny_mo
     plain = METHODS[method](models, prompt, args, torch.Generator().manual_seed(0))
     ours = METHODS[method](fused, prompt, args, torch.Generator().manual_seed(0))
     assert ours["new_tokens"] == plain["new_tokens"] == 12 and ours.get("accepted") == plain.get("accepted")
-    assert ours["target_forwards"] == plain["target_forwards"] + (method in ("ar", "spec-k2-fr"))
+    assert ours["target_forwards"] == plain["target_forwards"] + method.startswith(("ar", "spec"))
 
 
 def test_bench_ar_steps_rows_decode_their_steps_a_call(tiny_model):

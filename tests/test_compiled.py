@@ -25,7 +25,7 @@ from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate
-from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.frequent_vocab import FrequentVocabDraft, every_id, subset_draft_round
 from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.model import ModelConfig
@@ -61,12 +61,14 @@ def static(eager):
               "draft": StaticModel(eager["draft"], hot=(1,)),
               "draft_fr": StaticModel(eager["draft_fr"], hot=(1,)),
               "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K, hot=(1, 2, PREFILL_CHUNK)),
+              "draft_round": StaticSubsetDraft(every_id(eager["draft"]), K, hot=(PREFILL_CHUNK,)),
               "drafter": StaticDrafter(eager["drafter"]),
               "head": eager["head"],  # the head's few tiny forwards stay eager
               "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
     # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
     return {**models, "ar_fused": FusedSteps(models["target"], 1), "ar_steps": FusedSteps(models["target"], STEPS),
             "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
+            "spec_plain_fused": FusedSpeculation(models["target"], models["draft_round"]),
             "dflash_fused": FusedDFlash(models["target"], models["drafter"]),
             "ddtree_fused": FusedDDTree(models["target"], models["drafter"], BUDGET)}
 
@@ -87,6 +89,10 @@ def decode(method, models, temperature, on_round=None):
         return fused_speculative_generate(models["spec_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
     if method == "spec-fr-fused":  # eagerly: the plain pruned draft and its eager round
         method = "spec-fr"
+    if method == "spec-fused" and "spec_plain_fused" in models:  # the plain draft as the subset of every id
+        return fused_speculative_generate(models["spec_plain_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
+    if method == "spec-fused":  # eagerly: the plain draft and draft_round
+        method = "spec"
     if method == "spec":
         return speculative_generate(t, models["draft"], PROMPT, NEW, K, on_round=on_round, **common)[0]
     if method == "spec-fr":
@@ -113,8 +119,8 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
-           "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "diffusion-cached"]
+METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
+           "dflash-fused", "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -123,8 +129,8 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
     assert decode(method, static, temperature) == decode(method, eager, temperature)
 
 
-@pytest.mark.parametrize("method", ["spec", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused", "ddtree",
-                                    "ddtree-fused", "eagle3"])
+@pytest.mark.parametrize("method", ["spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
+                                    "dflash-fused", "ddtree", "ddtree-fused", "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -155,7 +161,8 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert (0.0, None, None) in static["ar_fused"].call.seen
     assert (0.0, None, None) in static["ar_steps"].call.seen
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
-    assert {key[0] for key in static["spec_fused"].round.seen} == {2}
+    for name in ("spec_fused", "spec_plain_fused"):
+        assert {key[0] for key in static[name].round.seen} == {2}
     assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
     assert {key[0] for key in static["ddtree_fused"].round.seen} == {BLOCK}
     assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
@@ -171,7 +178,7 @@ def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
     for method in METHODS:
         decode(method, static, 0.0)
     fused = [static["ar_fused"].call, static["ar_steps"].call] + \
-        [static[name].round for name in ("spec_fused", "dflash_fused", "ddtree_fused")]
+        [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused", "ddtree_fused")]
     steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)

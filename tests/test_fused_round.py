@@ -15,7 +15,7 @@ from stats_helpers import assert_caches_equal, assert_same, float64, one_thread,
 from tinydiff.compiled import StaticModel
 from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft, in_vocab, subset_draft_round
+from tinydiff.frequent_vocab import FrequentVocabDraft, every_id, in_vocab, subset_draft_round
 from tinydiff.fused_round import (PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate, prefill, sampled_verdict,
                                   verdict)
 from tinydiff.model import ModelConfig
@@ -153,6 +153,29 @@ def recorded(decode, *args, **kwargs):
         rounds.append((info["accepted"], info["tokens"], caches))
     out, result = decode(*args, on_round=on_round, **kwargs)
     return out, result, rounds
+
+
+@pytest.mark.parametrize("vocab_size", [64, MASK + 1])  # MASK + 1: GPT-2's vocabulary and MASK, its last id
+def test_a_plain_draft_as_the_subset_of_every_id_commits_speculative_generates_tokens(vocab_size):
+    """The bench's and generate.py's compiled spec rounds: the plain draft as FR-Spec's draft of every id
+    but MASK (frequent_vocab.every_id) draws draft_round's tokens from the same numbers."""
+    config = ModelConfig(vocab_size=vocab_size, context=40, n_layer=2, n_head=2, d_model=32, d_ff=64)
+    (target,) = float64(random_model(config, seed=0))
+    draft = perturbed(target, seed=5, noise=0.05)  # close to the target: rounds accept several drafts
+    subset = every_id(draft)
+    assert len(subset.ids) == vocab_size - (vocab_size > MASK) and not bool((subset.ids == MASK).any())
+    spec = FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(subset, K, compile=False),
+                            compile=False)
+    accepted = 0
+    for warp in WARPS:
+        for seed in range(2):
+            g = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
+            ours, ours_result = fused_speculative_generate(spec, PROMPT, NEW, *warp, generator=g(), stop_token=None)
+            theirs, result = speculative_generate(target, draft, PROMPT, NEW, K, *warp, generator=g(), stop_token=None)
+            assert ours == theirs and ours_result.accepted == result.accepted
+            assert ours_result.forwards == result.forwards + 1  # the prompt read apart
+            accepted += sum(n * count for n, count in enumerate(result.accepted))
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("warp", WARPS)

@@ -169,6 +169,9 @@ def test_compile_writes_the_same_tokens_and_reports_its_time_apart(ckpt, mdlm_ck
     tree = [*dflash[:-4], "--method", "ddtree", "--drafter", tmp_path / "drafter.pt", "--budget", 4]  # fused_ddtree.py
     eager, compiled = json.loads(run(*tree).stdout), json.loads(run(*tree, "--compile").stdout)
     assert compiled["ids"] == eager["ids"] and compiled["stats"]["accepted"] == eager["stats"]["accepted"]
+    spec = [*dflash[:-4], "--method", "spec", "--draft", ckpt, "--k", 3]  # fused_round.py, the draft as every id
+    eager, compiled = json.loads(run(*spec).stdout), json.loads(run(*spec, "--compile").stdout)
+    assert compiled["ids"] == eager["ids"] and compiled["stats"]["accepted"] == eager["stats"]["accepted"]
     for args, message in ((["--ckpt", ckpt, "--method", "ssd", "--draft", ckpt], "--compile does not apply"),
                           (["--ckpt", mdlm_ckpt], "add --cached")):
         res = run(*args, "--prompt", "hi", "--compile")

@@ -23,7 +23,7 @@ from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
-from tinydiff.frequent_vocab import subset_draft_round
+from tinydiff.frequent_vocab import every_id, subset_draft_round
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
 from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
@@ -83,21 +83,21 @@ def run_ar_drafted(models, prompt, args, generator, k):
 
 
 def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_round):
-    """The draft proposes k tokens, the target verifies them in one forward."""
-    ids, result = speculative_generate(models["target"], models[draft], prompt, args.new_tokens, k,
-                                       args.temperature, generator=generator, stop_token=None, propose=propose)
+    """The draft proposes k tokens, the target verifies them in one forward (with --compile, each round,
+    drafts, verify and verdict, is one compiled graph: fused_round.py)."""
+    if "fused" in models:
+        ids, result = fused_speculative_generate(models["fused"], prompt, args.new_tokens, args.temperature,
+                                                 generator=generator, stop_token=None)
+    else:
+        ids, result = speculative_generate(models["target"], models[draft], prompt, args.new_tokens, k,
+                                           args.temperature, generator=generator, stop_token=None, propose=propose)
     return chain_counts(ids, result)
 
 
 def run_spec_fr(models, prompt, args, generator, k):
     """spec with FR-Spec's draft: its head scores only the --draft-vocab ids most frequent in --data,
-    and it samples among them (with --compile, each round, drafts, verify and verdict, is one compiled graph:
-    fused_round.py)."""
-    if "fused" not in models:
-        return run_spec(models, prompt, args, generator, k, draft="draft_fr", propose=subset_draft_round)
-    ids, result = fused_speculative_generate(models["fused"], prompt, args.new_tokens, args.temperature,
-                                             generator=generator, stop_token=None)
-    return chain_counts(ids, result)
+    and it samples among them."""
+    return run_spec(models, prompt, args, generator, k, draft="draft_fr", propose=subset_draft_round)
 
 
 def chain_counts(ids, result):
@@ -251,14 +251,6 @@ USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion
         "dmoe-token": "moe-token", "dmoe-block": "moe-block"}
 
 
-def spec_hot(k: int) -> dict:
-    """hot_steps("spec"), and the target's 1..k-token verify of a story's last round: the bench
-    compiles them in its untimed warm-up, where an eager forward would be timed (on a CPU whose BLAS
-    is slow at a few rows, several compiled ones). One story of generate.py would pay a compile for
-    that one round instead, so there they stay eager."""
-    return {**hot_steps("spec", k=k), "target": tuple(range(1, k + 2))}
-
-
 def compiled_models(method: str, models: dict, args) -> dict | None:
     """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
@@ -272,13 +264,13 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if method in STEPS_ROWS:  # several steps and their draws: one graph
         steps = int(method.removeprefix("ar-steps"))
         return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), steps, mode)}
-    if method in FR_ROWS:  # the whole round, a story's last ones too: one graph; the prompt in compiled chunks
+    if method.startswith("spec-k"):  # the whole round, a story's last ones too: one graph; the prompt in compiled
+        # chunks. A plain draft runs as the subset of every id: the same tokens (frequent_vocab.every_id).
         k = draft_count(method)
         target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)
-        draft = StaticSubsetDraft(models["draft_fr"], k, mode, hot=(PREFILL_CHUNK,))
-        return {**models, "fused": FusedSpeculation(target, draft, mode)}
-    if method.startswith("spec-k"):
-        return wrap(models, spec_hot(draft_count(method)), mode)
+        subset = models["draft_fr"] if method in FR_ROWS else every_id(models["draft"])
+        return {**models, "fused": FusedSpeculation(target, StaticSubsetDraft(subset, k, mode, hot=(PREFILL_CHUNK,)),
+                                                    mode)}
     if block_of(method) and not method.endswith("-sched"):  # the whole round: one graph
         return {**models, "fused": FusedDFlash(*static_pair(models["target"], models["drafter"], mode),
                                                block_of(method), mode)}
