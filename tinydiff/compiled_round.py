@@ -12,7 +12,8 @@ tempered float32 softmax can be; the chain always spends k. Both stay exact draw
 At temperature 0 the draw is the argmax and no number is spent, as in `sample`.
 
 Leaves out: the target's verify (its forward is compiled.StaticModel's; its rule stays eager here,
-fused_round.py puts both in the round's graph), plain (unpruned) drafts, and batches.
+fused_round.py puts both in the round's graph), and batches. A plain draft runs here as the subset of
+every id (frequent_vocab.every_id).
 """
 import torch
 

@@ -1,14 +1,14 @@
-"""A speculative round as one compiled graph: FR-Spec's drafts, the verify and Leviathan's verdict; and
-what every fused loop shares (the prompt's prefill, the draws made before a graph runs).
+"""A speculative round as one compiled graph: the drafts, the verify and Leviathan's verdict; and what
+every fused loop shares (the prompt's prefill, the draws made before a graph runs).
 
 compiled.py compiles each model's forward and leaves the loop around it eager: the target's warp,
 the acceptance rule, the draws, and one call into a compiled step per model per round, each of which
 checks its guards. On a CPU that host work costs about as much as a small draft's forward
 (docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
-`speculative_round` is FR-Spec's k drafts (compiled_round.draft_chain), the target's forward of the
-newest token and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature
-`sampled_verdict`, which writes out one row of probabilities, not k + 1) and the committed token's
-draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
+`speculative_round` is FR-Spec's k drafts (compiled_round.draft_chain; a plain draft runs as the
+subset of every id, frequent_vocab.every_id: the same draws), the target's forward of the newest token
+and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature `sampled_verdict`, which
+writes out one row of probabilities, not k + 1) and the committed token's draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
 The graph's uniforms are drawn before it runs, from the loop's generator and in the eager loop's
 order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens.
 One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
@@ -19,7 +19,7 @@ length, counted as target forwards); then every round is one call into one graph
 rounds too (the graph drafts k, the verdict reads the drafts there is room for), but for rounds at
 the context's end, which run the eager pieces on static models.
 
-Leaves out: plain (unpruned) drafts, trees, EAGLE-3 (the same verdict would serve it), and batches.
+Leaves out: trees, EAGLE-3 (the same verdict would serve it), and batches.
 AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflash.py's, DDTree's
 fused_ddtree.py's.
 """
