@@ -11,14 +11,14 @@
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
 #   3. the method bench with and without --compile (static-shape steps, CUDA graphs) on `tiny`: ar,
-#      spec-k4, dflash-b8, dflash-b16 and ddtree-n32 (compiled, each DFlash and DDTree round one graph:
-#      fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled steps (dflash-b16-sched at
-#      --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree), and compiled ar-steps8 (8 AR
-#      tokens a graph call: fused_steps.py): tokens/s, compile seconds, per-round draft / verify / host
-#      microseconds (a fused round's in all); then the fused rounds of fused_round.py (ar, spec-k2-fr,
-#      spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids); then
-#      scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step taken apart (graph
-#      replay, device time, wrapper, sampling, and the eager step);
+#      spec-k4, dflash-b8, dflash-b16 and ddtree-n32 (compiled, each spec, DFlash and DDTree round one
+#      graph: fused_round.py, fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled
+#      steps (dflash-b16-sched at --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree), and
+#      compiled ar-steps8 (8 AR tokens a graph call: fused_steps.py): tokens/s, compile seconds,
+#      per-round draft / verify / host microseconds (a fused round's in all); then FR-Spec's fused
+#      rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's
+#      ids); then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step taken apart
+#      (graph replay, device time, wrapper, sampling, and the eager step);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
