@@ -49,10 +49,10 @@ from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
+from tinydiff.frequent_vocab import every_id
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
 from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
-from tinydiff.frequent_vocab import every_id
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
