@@ -10,15 +10,15 @@
 #   2. python -m tinydiff.kernels.bench $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
-#   3. the method bench with and without --compile (static-shape steps, CUDA graphs) on `tiny`: ar,
-#      spec-k4, dflash-b8, dflash-b16 and ddtree-n32 (compiled, each spec, DFlash and DDTree round one
-#      graph: fused_round.py, fused_dflash.py, fused_ddtree.py), beside the same rounds on compiled
-#      steps (dflash-b16-sched at --min-confidence 0, ddtree-n32-reject at T = 0: the plain tree), and
-#      compiled ar-steps8 (8 AR tokens a graph call: fused_steps.py): tokens/s, compile seconds,
-#      per-round draft / verify / host microseconds (a fused round's in all); then FR-Spec's fused
-#      rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's
-#      ids); then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step taken apart
-#      (graph replay, device time, wrapper, sampling, and the eager step);
+#   3. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32 and the stepwise
+#      twins below), then with --compile (static-shape steps, CUDA graphs): ar, ar-steps8 (8 AR tokens a
+#      graph call: fused_steps.py), spec-k4, dflash-b16 and ddtree-n32 (each round one graph:
+#      fused_round.py, fused_dflash.py, fused_ddtree.py): tokens/s, compile seconds, per-round
+#      microseconds; then FR-Spec's fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved,
+#      with the sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and
+#      `13m`: one compiled ar step taken apart (graph replay, device time, wrapper, sampling, the
+#      eager step); then the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence
+#      0 and ddtree-n32-reject at T = 0: dflash-b16's and ddtree-n32's rounds on compiled steps);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
@@ -30,8 +30,8 @@
 # (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
-# bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m train_fp32 train_fp16 train_bf16 bench_13m_eager
-# bench_13m bench bench_t1).
+# bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m bench_compile_twins
+# train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -100,14 +100,14 @@ if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
         | tee -a "$LOGDIR/summary.txt"
     echo "logs in $LOGDIR"; exit $status
 fi
-# -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
-# ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
-COMPILED=ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject
-step bench_eager 60 "$PY" -m tinydiff.bench --methods "$COMPILED" --new-tokens 64 --prompts 2 --min-confidence 0 \
+step bench_eager 60 "$PY" -m tinydiff.bench --new-tokens 64 --prompts 2 --min-confidence 0 \
+    --methods ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject \
     --json "$LOGDIR/bench_eager.json" "$@"
-# TORCH_LOGS=cudagraphs: the log says when inductor skips CUDA graphs or records one again, and why
-step bench_compile 240 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench --methods "$COMPILED,ar-steps8" \
-    --new-tokens 64 --prompts 2 --compile --min-confidence 0 --json "$LOGDIR/bench_compile.json" "$@"
+# Compiled, in two runs, so that a timeout (the table comes at the end) loses only the stepwise twins.
+# TORCH_LOGS=cudagraphs: the log says when inductor skips CUDA graphs or records one again, and why.
+step bench_compile 200 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
+    --methods ar,ar-steps8,spec-k4,dflash-b16,ddtree-n32 --new-tokens 64 --prompts 2 --compile \
+    --json "$LOGDIR/bench_compile.json" "$@"
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"
@@ -115,6 +115,11 @@ fi
 for preset in tiny 13m; do  # where a compiled step's time goes: graph, wrapper, sampling
     step "step_costs_$preset" 60 "$PY" scripts/compiled_step_costs.py --preset "$preset"
 done
+# -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
+# ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
+step bench_compile_twins 150 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
+    --methods ar,dflash-b8,dflash-b16-sched,ddtree-n32-reject --new-tokens 64 --prompts 2 --compile --min-confidence 0 \
+    --json "$LOGDIR/bench_compile_twins.json" "$@"
 if [ -n "$DATA" ]; then
     for dtype in fp32 fp16 bf16; do
         rm -rf "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype"  # a fresh run each time, not a refused second one
