@@ -3,7 +3,8 @@
 Run: python lessons/14_fp4_experts.py [--quick] [--ckpt CKPT]
 Read next: tinydiff/fp4.py (the format), tinydiff/fp4_experts.py (a MoE layer with packed experts),
 tinydiff/kernels/moe_ffn_fp4.py (a kernel that reads them packed), tests/test_fp4.py; then
-`python -m tinydiff.quantize` on a trained mdlm-moe checkpoint (docs/USAGE.md, "FP4 experts").
+`python -m tinydiff.quantize` on a trained mdlm-moe checkpoint (docs/USAGE.md, "FP4 experts");
+then lessons/15_compiled_decoding.py.
 
 Decoding is memory-bound: every forward reads the weights it uses, and in a mixture-of-experts
 model the experts are most of the weights. Xiaomi's MiMo-V2.5-Pro stores its experts, and only

@@ -76,4 +76,9 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
         assert int(code) == int(x) + 127 and "MXFP4 reads 7.53x fewer expert bytes than fp32" in res.stdout
         errors = dict(re.findall(r"^\s+(bf16|mxfp4|nvfp4)\s.*\|\s+([\d.]+)%$", res.stdout, re.M))
         assert float(errors["bf16"]) < float(errors["nvfp4"]) < float(errors["mxfp4"])
+    if lesson.name == "15_compiled_decoding.py":  # the claims: fixed shapes change no logit, compiling no token
+        differences = [float(d) for d in re.findall(r"logits differ by ([\d.e+-]+)", res.stdout)]
+        assert len(differences) == 2 and max(differences) < 1e-10
+        verdicts = re.findall(r"same tokens as eager \(greedy\): (\w+)", res.stdout)
+        assert verdicts == ["True", "True"]
     assert not list(tmp_path.iterdir())  # and wrote nothing where it was run
