@@ -48,15 +48,21 @@ prompt, new = [50256, 464, 1110, 373, 257, 1263, 286, 13], 16 if args.quick else
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the operations a piece of PyTorch code dispatches: on a GPU each is (about) one kernel launch."""
+    """Counts the operations a piece of PyTorch code dispatches that compute a tensor: on a GPU each is
+    (about) one kernel launch. Views (a reshape, a transpose) and dtype queries launch nothing."""
 
     def __init__(self):
         super().__init__()
-        self.ops = Counter()
+        self.ops, self.other = Counter(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.is_view or name == "_unsafe_view" or not isinstance(out, torch.Tensor):
+            self.other += 1
+        else:
+            self.ops[name] += 1
+        return out
 
 
 with torch.no_grad():
@@ -67,10 +73,11 @@ with torch.no_grad():
         model(torch.tensor([prompt[-1:]]), cache=cache, causal=True)
     n_ops = sum(counter.ops.values())
     top = ", ".join(f"{name} {n}" for name, n in counter.ops.most_common(5))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"   {n_ops} operations for one token (most common: {top}),")
-    print(f"   for {2 * params / 1e6:.0f} MFLOP of arithmetic. A GPU does that arithmetic in microseconds;")
-    print(f"   launching {n_ops} kernels from Python costs it milliseconds. The step is launch-bound.\n")
+    print(f"   {n_ops} operations compute a tensor for one token (most common: {top}),")
+    flops = 2 * sum(p.numel() for p in model.parameters())  # a multiply-add per weight (the tied head included)
+    print(f"   beside {counter.other} views and queries that launch nothing; {flops / 1e6:.0f} MFLOP of arithmetic.")
+    print(f"   A GPU does that arithmetic in microseconds; launching {n_ops} kernels from Python, one by one,")
+    print("   costs it milliseconds. The step is launch-bound.\n")
 
     print("2. Fixed shapes. The plain KV cache hands attention the rows written so far, so every step has")
     print("   new shapes. A StaticCache always hands over all its rows, and a mask hides the unwritten ones:")
