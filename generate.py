@@ -39,7 +39,6 @@ from tinydiff.checkpoint import load_checkpoint
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
 from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
-from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash import drafter_from
@@ -49,10 +48,9 @@ from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle import head_from
 from tinydiff.eagle_decode import eagle_generate
 from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import every_id
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
+from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.sampler import REMASKING, generate, generate_cached
@@ -201,9 +199,7 @@ def run_speculative(model, prompt, args, generator, warping):
         draft, _ = load_model(args.draft, args.device, kinds=("ar",))
         if args.method == "spec" and args.compile:  # each round one graph (fused_round.py), the plain draft
             # as the subset of every id (frequent_vocab.every_id): the same tokens
-            fused = FusedSpeculation(StaticModel(model, (PREFILL_CHUNK,), args.compile),
-                                     StaticSubsetDraft(every_id(draft), args.k, args.compile, hot=(PREFILL_CHUNK,)),
-                                     args.compile)
+            fused = fused_speculation(model, draft, args.k, args.compile)
             args.compiled_models = [fused]
             return fused_speculative_generate(fused, prompt, args.max_new_tokens, *warping, generator)
         if args.method == "spec":

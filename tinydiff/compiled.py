@@ -21,9 +21,10 @@ the host. Each wrapper compiles the token counts in `hot` (the steps a method re
 decoding, k + 1 for a verify, the block or tree budget); any other count (the prefill, the last
 round's shorter verify) runs the same static function eagerly, so the tokens never depend on it.
 
-fused_round.py goes one step further for `ar` and FR-Spec's rounds, fused_dflash.py and fused_ddtree.py
-for DFlash's and DDTree's: the warp, the draws, the acceptance rule (and the tree) inside the graph, one
-graph call a round.
+fused_steps.py goes one step further for `ar` (the step with its draw, or several steps, one graph
+call), fused_round.py for speculative rounds, fused_dflash.py and fused_ddtree.py for DFlash's and
+DDTree's: the warp, the draws, the acceptance rule (and the tree) inside the graph, one graph call a
+round.
 
 Leaves out: batches, the Triton kernels inside compiled steps (inductor fuses the masked
 attention itself; `kernels_enabled(False)` while a step runs), and SSD's threaded run-ahead.

@@ -34,8 +34,8 @@ from tinydiff.fused_round import PREFILL_CHUNK, RewindableDraws, padded, uniform
 from tinydiff.kernels import kernels_enabled
 from tinydiff.markov_head import draft_left_to_right
 from tinydiff.sampling import inverse_cdf, next_token_probs
-from tinydiff.tally import Tally
 from tinydiff.soft_labels import draftable
+from tinydiff.tally import Tally
 from tinydiff.tokenizer import EOT, MASK
 
 

@@ -8,7 +8,8 @@ checks its guards. On a CPU that host work costs about as much as a small draft'
 `speculative_round` is FR-Spec's k drafts (compiled_round.draft_chain; a plain draft runs as the
 subset of every id, frequent_vocab.every_id: the same draws), the target's forward of the newest token
 and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature `sampled_verdict`, which
-writes out one row of probabilities, not k + 1) and the committed token's draw. The host reads back one small tensor a round: the drafts, the accepted count, the token.
+writes out one row of probabilities, not k + 1) and the committed token's draw. The host reads back
+one small tensor a round: the drafts, the accepted count, the token.
 The graph's uniforms are drawn before it runs, from the loop's generator and in the eager loop's
 order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens.
 One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
@@ -28,7 +29,7 @@ import torch
 from tinydiff.ar import check_prompt
 from tinydiff.compiled import Compiled, StaticModel, static_forward
 from tinydiff.compiled_round import StaticSubsetDraft, draft_chain
-from tinydiff.frequent_vocab import in_vocab
+from tinydiff.frequent_vocab import FrequentVocabDraft, every_id, in_vocab
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs, residual
 from tinydiff.soft_labels import draftable
@@ -220,6 +221,15 @@ class FusedSpeculation:
         draft_cache.advance(T0 + m - 1 if m else 0)  # the rows an eager round of m drafts writes
         target_cache.advance(m + 1)
         return drafts[:m], n, token
+
+
+def fused_speculation(target, draft, k: int, compile=True) -> FusedSpeculation:
+    """FusedSpeculation for a target and a draft (FR-Spec's FrequentVocabDraft, or a plain draft, which runs
+    as the subset of every id: the same tokens) of k drafts a round, compiled with `compile`; both wrappers
+    read the prompt in compiled chunks."""
+    subset = draft if isinstance(draft, FrequentVocabDraft) else every_id(draft)
+    return FusedSpeculation(StaticModel(target, (PREFILL_CHUNK,), compile),
+                            StaticSubsetDraft(subset, k, compile, hot=(PREFILL_CHUNK,)), compile)
 
 
 @torch.no_grad()

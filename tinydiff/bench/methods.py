@@ -16,17 +16,16 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.compiled import StaticModel, hot_steps, wrap
-from tinydiff.compiled_round import StaticSubsetDraft
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.ddtree_sampled import ddtree_sampled_generate
 from tinydiff.dflash_decode import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
 from tinydiff.drafted_diffusion import ar_drafted_generate
 from tinydiff.eagle_decode import eagle_generate
-from tinydiff.frequent_vocab import every_id, subset_draft_round
+from tinydiff.frequent_vocab import subset_draft_round
 from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
+from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
 from tinydiff.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.self_speculative import self_speculative_generate
@@ -46,9 +45,7 @@ def run_ar_steps(models, prompt, args, generator, steps):
     """ar with `steps` tokens per graph call, read back once (fused_steps.py): the same tokens. It pays
     only with --compile; without, the same calls run eagerly on a static cache."""
     fused = models.get("fused") or FusedSteps(StaticModel(models["target"], (), False), steps, False)
-    ids, result = multi_step_generate(fused, prompt, args.new_tokens, args.temperature, generator=generator,
-                                      stop_token=None)
-    return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
+    return run_ar({**models, "fused": fused}, prompt, args, generator)
 
 
 def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
@@ -259,18 +256,14 @@ def compiled_models(method: str, models: dict, args) -> dict | None:
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
     mode = args.compile
-    if method == "ar":  # the step and its draw: one graph; the prompt in compiled chunks
-        return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), 1, mode)}
-    if method in STEPS_ROWS:  # several steps and their draws: one graph
-        steps = int(method.removeprefix("ar-steps"))
+    if method == "ar" or method in STEPS_ROWS:  # the step (or several) with its draw: one graph; the prompt in
+        # compiled chunks
+        steps = int(method.removeprefix("ar-steps")) if method in STEPS_ROWS else 1
         return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), steps, mode)}
     if method.startswith("spec-k"):  # the whole round, a story's last ones too: one graph; the prompt in compiled
         # chunks. A plain draft runs as the subset of every id: the same tokens (frequent_vocab.every_id).
-        k = draft_count(method)
-        target = StaticModel(models["target"], (PREFILL_CHUNK,), mode)
-        subset = models["draft_fr"] if method in FR_ROWS else every_id(models["draft"])
-        return {**models, "fused": FusedSpeculation(target, StaticSubsetDraft(subset, k, mode, hot=(PREFILL_CHUNK,)),
-                                                    mode)}
+        draft = models["draft_fr"] if method in FR_ROWS else models["draft"]
+        return {**models, "fused": fused_speculation(models["target"], draft, draft_count(method), mode)}
     if block_of(method) and not method.endswith("-sched"):  # the whole round: one graph
         return {**models, "fused": FusedDFlash(*static_pair(models["target"], models["drafter"], mode),
                                                block_of(method), mode)}
