@@ -244,8 +244,13 @@ class StaticModel(Wrapped):
     for the token counts in `hot`. A FrequentVocabDraft keeps its subset head: logits (1, T, N)."""
 
     def __init__(self, model, hot=(1,), compile=True):
-        inner, head = (model.draft, model.rows) if isinstance(model, FrequentVocabDraft) else (model, None)
-        super().__init__(model, lambda *a: static_forward(inner, *a, head=head), model.embed.weight.device, hot, compile)
+        # A pruned draft's head rows are read from the module at each call: a buffer, so a static input of
+        # a CUDA graph (a tensor held in the closure would be an ordinary input, copied in at every replay).
+        if isinstance(model, FrequentVocabDraft):
+            forward = lambda *a: static_forward(model.draft, *a, head=model.rows)  # noqa: E731
+        else:
+            forward = lambda *a: static_forward(model, *a)  # noqa: E731
+        super().__init__(model, forward, model.embed.weight.device, hot, compile)
 
     def new_cache(self, batch_size: int = 1) -> StaticCache:
         if batch_size != 1:

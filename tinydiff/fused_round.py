@@ -11,7 +11,9 @@ and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature `s
 writes out one row of probabilities, not k + 1) and the committed token's draw. The host reads back
 one small tensor a round: the drafts, the accepted count, the token.
 The graph's uniforms are drawn before it runs, from the loop's generator and in the eager loop's
-order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens.
+order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens
+(with a CPU generator: CUDA's Philox gives numbers drawn together other values than as many drawn one
+at a time, so on a GPU a seed gives other samples than the eager loop's, as exact).
 One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
 at T > 0 and the graph always spends one; both stay exact draws.
 `fused_speculative_generate` is speculative_generate on this graph. It reads the prompt but its
