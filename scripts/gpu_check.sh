@@ -6,7 +6,9 @@
 # In order (the most wanted first, since a short budget cuts the last):
 #   1. tests/test_kernels.py (each kernel against its reference), tests/test_kernel_paths.py (the
 #      model paths with and without the kernels) and tests/test_kernels_fp4.py (the MXFP4 expert
-#      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0);
+#      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0); then
+#      tests/test_cuda_graphs.py: the loops the bench times with --compile give the eager tokens on CUDA,
+#      run no graph without its CUDA graph, and record none again after their first stories;
 #   2. python -m tinydiff.kernels.bench $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
@@ -30,7 +32,7 @@
 # (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
-# bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m bench_compile_twins
+# test_cuda_graphs bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m bench_compile_twins
 # train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
@@ -87,6 +89,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the b
 
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernel_paths.py tests/test_kernels_fp4.py
+TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m pytest -q -p no:cacheprovider -n 0 \
+    tests/test_cuda_graphs.py
 # The rows are written as they come: a timeout keeps them.
 # shellcheck disable=SC2086  # the arguments are words
 step kernel_bench 120 "$PY" -m tinydiff.kernels.bench ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \

@@ -7,85 +7,20 @@ the same addresses story after story (else it is recorded again). A graph that b
 still give the right tokens on a GPU, only slower (without its graph, or recording it again); so this
 is the test that can see it here.
 
-The wrappers are told they replay CUDA graphs (so the caches are marked static, as on CUDA), and
-torch.compile runs dynamo and AOTAutograd up to the graph inductor would receive (no code generation).
-Each method decodes two stories greedily and two sampled (a graph each), from a prompt longer than one
-prefill chunk, so that the fused loops' chunked prefill graphs are checked too.
+The loops are tests/compiled_loops.py's. The wrappers are told they replay CUDA graphs (so the caches
+are marked static, as on CUDA), and torch.compile runs dynamo and AOTAutograd up to the graph inductor
+would receive (no code generation). Each method decodes two stories greedily and two sampled (a graph
+each). tests/test_cuda_graphs.py runs the same loops on a GPU, where the graphs are CUDA's.
 """
 import pytest
 import torch
+from compiled_loops import CONTEXT, METHODS, SMALLEST_WIDTH, compiled_loops, models
 from cuda_graph_rules import Recorder, off_device_ops
-from eagle_models import random_head
-from stats_helpers import perturbed, random_drafter, random_model
 
 from tinydiff import compiled
-from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticDrafter, StaticModel, Wrapped, own_frame
-from tinydiff.compiled_round import StaticSubsetDraft
-from tinydiff.ddtree import ddtree_generate
-from tinydiff.dflash_decode import dflash_generate
-from tinydiff.eagle_decode import eagle_generate
-from tinydiff.frequent_vocab import FrequentVocabDraft
-from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
-from tinydiff.fused_steps import FusedSteps, multi_step_generate
-from tinydiff.model import ModelConfig
-from tinydiff.sampler import generate_cached
-from tinydiff.speculative import speculative_generate
+from tinydiff.compiled import Wrapped, own_frame
 
 pytestmark = pytest.mark.compile
-PROMPT, NEW = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 12  # longer than one prefill chunk
-K, BLOCK, BUDGET, STEPS, CANVAS = 3, 4, 6, 3, 8
-CONTEXT, SMALLEST_WIDTH = 40, 16
-assert len(PROMPT) > PREFILL_CHUNK + 1
-
-
-def models():
-    target = random_model(ModelConfig(vocab_size=64, context=CONTEXT, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
-    draft = random_model(ModelConfig(vocab_size=64, context=CONTEXT, n_layer=1, n_head=2, d_model=SMALLEST_WIDTH,
-                                     d_ff=32), seed=1)
-    mdlm = random_model(ModelConfig(context=CONTEXT, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), seed=4)
-    return {"target": target, "draft": draft, "drafter": random_drafter(target, seed=2, n_layer=1, block_size=BLOCK),
-            "head": random_head(target, seed=3), "mdlm": mdlm,
-            "draft_fr": FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])}
-
-
-def decoders(m):
-    """Each method's --compile loop as the bench builds it, its wrappers built once (so that every story
-    meets the same graphs and cache buffers): name -> decode(temperature, generator)."""
-    t, common = m["target"], lambda temperature, g: {"temperature": temperature, "generator": g, "stop_token": None}
-    ar, steps = (FusedSteps(StaticModel(t, (PREFILL_CHUNK,)), n) for n in (1, STEPS))
-    spec, spec_fused = (StaticModel(t, (K + 1,)), StaticModel(m["draft"], (1, 2))), fused_speculation(t, m["draft"], K)
-    fr = StaticModel(t, (K + 1,)), StaticSubsetDraft(m["draft_fr"], K)
-    fr_fused = fused_speculation(t, m["draft_fr"], K)
-    dflash, ddtree = [(StaticModel(t, (n,)), StaticDrafter(m["drafter"])) for n in (BLOCK, BUDGET + 1)]
-    dflash_fused = [FusedDFlash(*static_pair(t, m["drafter"])) for _ in ("match", "reject")]
-    ddtree_fused = FusedDDTree(*static_pair(t, m["drafter"]), BUDGET)
-    ar_static, eagle, eagle_tree = (StaticModel(t, (n,)) for n in (1, K + 1, BUDGET + 1))
-    mdlm = StaticModel(m["mdlm"], (CANVAS, 2 * CANVAS))
-    return {
-        "ar": lambda T, g: multi_step_generate(ar, PROMPT, NEW, **common(T, g)),
-        "ar-steps": lambda T, g: multi_step_generate(steps, PROMPT, NEW, **common(T, g)),
-        "ar-static": lambda T, g: ar_generate(ar_static, PROMPT, NEW, **common(T, g)),
-        "spec": lambda T, g: speculative_generate(*spec, PROMPT, NEW, K, **common(T, g)),
-        "spec-fused": lambda T, g: fused_speculative_generate(spec_fused, PROMPT, NEW, **common(T, g)),
-        "spec-fr-round": lambda T, g: speculative_generate(*fr, PROMPT, NEW, K, propose=fr[1].propose, **common(T, g)),
-        "spec-fr-fused": lambda T, g: fused_speculative_generate(fr_fused, PROMPT, NEW, **common(T, g)),
-        "dflash": lambda T, g: dflash_generate(*dflash, PROMPT, NEW, **common(T, g)),
-        "dflash-fused": lambda T, g: fused_dflash_generate(dflash_fused[0], PROMPT, NEW, **common(T, g)),
-        "dflash-fused-reject": lambda T, g: fused_dflash_generate(dflash_fused[1], PROMPT, NEW, rule="reject",
-                                                                  **common(T, g)),
-        "ddtree": lambda T, g: ddtree_generate(*ddtree, PROMPT, NEW, budget=BUDGET, **common(T, g)),
-        "ddtree-fused": lambda T, g: fused_ddtree_generate(ddtree_fused, PROMPT, NEW, **common(T, g)),
-        "eagle3": lambda T, g: eagle_generate(eagle, m["head"], PROMPT, NEW, k=K, **common(T, g)),
-        "eagle3-tree": lambda T, g: eagle_generate(eagle_tree, m["head"], PROMPT, NEW, budget=BUDGET, **common(T, g)),
-        "diffusion-cached": lambda T, g: generate_cached(mdlm, PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, T, generator=g),
-    }
-
-
-METHODS = ["ar", "ar-steps", "ar-static", "spec", "spec-fused", "spec-fr-round", "spec-fr-fused", "dflash",
-           "dflash-fused", "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "eagle3-tree", "diffusion-cached"]
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +43,7 @@ def traced():
         patch.setattr(compiled, "compile_step", compile_step)
         patch.setattr(Wrapped, "replays_cuda_graphs", lambda self, weight: True)
         patch.setattr(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
-        methods = decoders(models())
-        assert list(methods) == METHODS
-        for name, decode in methods.items():
+        for name, decode in compiled_loops(models()).items():
             start, calls = len(recorder.graphs), []
             for temperature in (0.0, 1.0):
                 for story in (1, 2):
