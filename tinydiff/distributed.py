@@ -13,6 +13,8 @@ Leaves out: DDP's bucketed overlap of communication with backward (a 13M model's
 small), drafter training and the runs that write stories first (refused in one line).
 """
 import os
+import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -64,13 +66,30 @@ class Ranks:
 
     def stop(self, finished: bool):
         """Leave the process group. After a finished run (or a stop request, which every rank obeys at
-        the same step) each rank first waits for the others: rank 0 saves last, and a rank that left
-        gloo's group while another still used it could abort at exit ("terminate called without an
-        active exception"). After an error there is no waiting: the others may never arrive."""
+        the same step) each rank first waits for the others (rank 0 saves last), then on CPU until gloo
+        has let go of that last collective. After an error there is no waiting: the others may never
+        arrive."""
         if self.world > 1 and dist.is_initialized():
-            if finished:
+            if finished and self.device == "cpu":
+                self.settle()
+            elif finished:
                 dist.barrier()
             dist.destroy_process_group()
+
+    def settle(self, seconds: float = 5.0) -> bool:
+        """A last all-reduce (every rank has arrived), then a wait, with the GIL free, until gloo's worker
+        thread has let go of the tensor; whether it did. A worker that still held a collective's tensors
+        when the interpreter began to shut down needed the GIL to free them and aborted the process
+        ("terminate called without an active exception": docs/LOG.md). Letting go is two steps: the C++
+        reference (`_use_count`), then, holding the GIL, the Python one it kept (`sys.getrefcount`)."""
+        last = torch.zeros(1)
+        alone = sys.getrefcount(last)  # Python's own references
+        dist.all_reduce(last)
+        deadline = time.monotonic() + seconds
+        held = lambda: last._use_count() > 1 or sys.getrefcount(last) > alone  # noqa: E731
+        while held() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return not held()
 
     @contextmanager
     def first(self):
