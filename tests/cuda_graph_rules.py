@@ -29,7 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tinydiff.compiled import StaticCache, Wrapped
+from tinydiff.compiled import StaticCache, Wrapped, own_frame
 
 
 @dataclasses.dataclass
@@ -73,11 +73,17 @@ class Recorder:
             copied_bytes=[x.numel() * x.element_size() for i, x in enumerate(example_inputs)
                           if i not in static and isinstance(x, torch.Tensor)])
         self.graphs.append(facts)
+        static_order = sorted(static)
 
         def run(*args):
-            facts.calls.append((self.story, tuple(args[i].data_ptr() for i in sorted(static))))
+            facts.calls.append((self.story, tuple(args[i].data_ptr() for i in static_order)))
             return gm(*args)
         return run
+
+    def compile(self, fn):
+        """fn compiled as compiled.compile_step compiles a step (its own frame, the whole graph, fixed
+        shapes), but traced by this backend instead of inductor."""
+        return torch.compile(own_frame(fn), fullgraph=True, dynamic=False, backend=self.backend)
 
 
 def reachable_modules(fn) -> list:

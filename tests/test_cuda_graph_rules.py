@@ -18,7 +18,7 @@ from compiled_loops import CONTEXT, METHODS, SMALLEST_WIDTH, compiled_loops, mod
 from cuda_graph_rules import Recorder, off_device_ops
 
 from tinydiff import compiled
-from tinydiff.compiled import Wrapped, own_frame
+from tinydiff.compiled import Wrapped
 
 pytestmark = pytest.mark.compile
 
@@ -29,7 +29,7 @@ def traced():
     recorder, found = Recorder(), {}
 
     def compile_step(fn, device, mode="default"):  # compiled.compile_step, tracing instead of compiling
-        graph = torch.compile(own_frame(fn), fullgraph=True, dynamic=False, backend=recorder.backend)
+        graph = recorder.compile(fn)
 
         def step(*args):
             before = len(recorder.graphs)
@@ -105,12 +105,12 @@ def test_the_rules_see_what_they_look_for():
 
     for fn, args in [(write, (marked, torch.ones(1, 8))), (write, (plain, torch.ones(1, 8))), (masked, (plain,)),
                      (lambda x: x @ weight, (torch.ones(2, 32),))]:
-        torch.compile(own_frame(fn), fullgraph=True, dynamic=False, backend=recorder.backend)(*args)
+        recorder.compile(fn)(*args)
     right, mutated, incompatible, closure = recorder.graphs
     assert right.refusals() == [] and mutated.mutated_not_static and incompatible.incompatible
     moved = torch.zeros(4, 8)  # a cache made anew: the same graph, a static input at a new address
     torch._dynamo.mark_static_address(moved)
-    graph = torch.compile(own_frame(write), fullgraph=True, dynamic=False, backend=recorder.backend)
+    graph = recorder.compile(write)
     for buffer in (marked, moved):
         graph(buffer, torch.ones(1, 8))
     assert len({addresses for _, addresses in recorder.graphs[-1].calls}) == 2
