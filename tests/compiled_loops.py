@@ -1,11 +1,14 @@
 """Every method's `--compile` loop as the bench and generate.py build it, and its eager twin, on small
-random models: shared by tests/test_cuda_graph_rules.py (the CUDA-graph conditions, on a CPU) and
-tests/test_cuda_graphs.py (the same loops replaying CUDA graphs, on a GPU). Not a test file.
+random models: shared by tests/test_cuda_graph_rules.py (the CUDA-graph conditions, on a CPU),
+tests/test_cuda_graphs.py (the same loops replaying CUDA graphs, on a GPU) and tests/test_cache_buffers.py
+(the loops uncompiled, on buffers a story left junk in). Not a test file.
 
 The compiled loops' wrappers are built once per method (`compiled_loops`), so every story meets the same
-graphs and, where steps replay CUDA graphs, the same cache buffers. The prompt is longer than one
+graphs and, where steps replay CUDA graphs, the same cache buffers. The default prompt is longer than one
 prefill chunk, so the fused loops' chunked prefill graphs run too.
 """
+from typing import Callable, NamedTuple
+
 import torch
 from eagle_models import random_head
 from stats_helpers import perturbed, random_drafter, random_model
@@ -45,60 +48,78 @@ def models(device="cpu", dtype=torch.float32) -> dict:
     return {role: model.to(device, dtype) for role, model in found.items()}  # in place: borrowed targets follow
 
 
-def common(temperature, generator) -> dict:
-    return {"temperature": temperature, "generator": generator, "stop_token": None}
+class Loop(NamedTuple):
+    decode: Callable  # decode(temperature, generator, prompt=PROMPT, new=NEW) -> (tokens, stats)
+    wrappers: list    # the Static* wrappers that own its cache buffers
 
 
-def compiled_loops(m) -> dict:
-    """Each method's compiled loop: name -> decode(temperature, generator) -> (tokens, stats)."""
+def story(run) -> Callable:
+    """decode(temperature, generator, prompt, new) of run(prompt, new, the loops' keyword arguments)."""
+    return lambda T, g, prompt=PROMPT, new=NEW: run(prompt, new, {"temperature": T, "generator": g, "stop_token": None})
+
+
+def diffusion(mdlm) -> Callable:  # two blocks of CANVAS tokens, one a step, whatever `new` is
+    return story(lambda p, n, c: generate_cached(mdlm, p, 2 * CANVAS, 2 * CANVAS, CANVAS, c["temperature"],
+                                                 generator=c["generator"]))
+
+
+def compiled_loops(m, compile=True) -> dict:
+    """Each method's compiled loop, name -> Loop; with compile=False the same wrappers on eager steps."""
     t = m["target"]
-    ar, steps = (FusedSteps(StaticModel(t, (PREFILL_CHUNK,)), n) for n in (1, STEPS))
-    spec, spec_fused = (StaticModel(t, (K + 1,)), StaticModel(m["draft"], (1, 2))), fused_speculation(t, m["draft"], K)
-    fr = StaticModel(t, (K + 1,)), StaticSubsetDraft(m["draft_fr"], K)
-    fr_fused = fused_speculation(t, m["draft_fr"], K)
-    dflash, ddtree = [(StaticModel(t, (n,)), StaticDrafter(m["drafter"])) for n in (BLOCK, BUDGET + 1)]
-    dflash_fused = [FusedDFlash(*static_pair(t, m["drafter"])) for _ in ("match", "reject")]
-    ddtree_fused = FusedDDTree(*static_pair(t, m["drafter"]), BUDGET)
-    ar_static, eagle, eagle_tree = (StaticModel(t, (n,)) for n in (1, K + 1, BUDGET + 1))
-    mdlm = StaticModel(m["mdlm"], (CANVAS, 2 * CANVAS))
+    ar, steps = (FusedSteps(StaticModel(t, (PREFILL_CHUNK,), compile), n, compile) for n in (1, STEPS))
+    spec = StaticModel(t, (K + 1,), compile), StaticModel(m["draft"], (1, 2), compile)
+    spec_fused = fused_speculation(t, m["draft"], K, compile)
+    fr = StaticModel(t, (K + 1,), compile), StaticSubsetDraft(m["draft_fr"], K, compile)
+    fr_fused = fused_speculation(t, m["draft_fr"], K, compile)
+    dflash, ddtree = [(StaticModel(t, (n,), compile), StaticDrafter(m["drafter"], compile=compile))
+                      for n in (BLOCK, BUDGET + 1)]
+    dflash_fused = [FusedDFlash(*static_pair(t, m["drafter"], compile), compile=compile) for _ in ("match", "reject")]
+    ddtree_fused = FusedDDTree(*static_pair(t, m["drafter"], compile), BUDGET, compile=compile)
+    ar_static, eagle, eagle_tree = (StaticModel(t, (n,), compile) for n in (1, K + 1, BUDGET + 1))
+    mdlm = StaticModel(m["mdlm"], (CANVAS, 2 * CANVAS), compile)
     loops = {
-        "ar": lambda T, g: multi_step_generate(ar, PROMPT, NEW, **common(T, g)),
-        "ar-steps": lambda T, g: multi_step_generate(steps, PROMPT, NEW, **common(T, g)),
-        "ar-static": lambda T, g: ar_generate(ar_static, PROMPT, NEW, **common(T, g)),
-        "spec": lambda T, g: speculative_generate(*spec, PROMPT, NEW, K, **common(T, g)),
-        "spec-fused": lambda T, g: fused_speculative_generate(spec_fused, PROMPT, NEW, **common(T, g)),
-        "spec-fr-round": lambda T, g: speculative_generate(*fr, PROMPT, NEW, K, propose=fr[1].propose, **common(T, g)),
-        "spec-fr-fused": lambda T, g: fused_speculative_generate(fr_fused, PROMPT, NEW, **common(T, g)),
-        "dflash": lambda T, g: dflash_generate(*dflash, PROMPT, NEW, **common(T, g)),
-        "dflash-fused": lambda T, g: fused_dflash_generate(dflash_fused[0], PROMPT, NEW, **common(T, g)),
-        "dflash-fused-reject": lambda T, g: fused_dflash_generate(dflash_fused[1], PROMPT, NEW, rule="reject",
-                                                                  **common(T, g)),
-        "ddtree": lambda T, g: ddtree_generate(*ddtree, PROMPT, NEW, budget=BUDGET, **common(T, g)),
-        "ddtree-fused": lambda T, g: fused_ddtree_generate(ddtree_fused, PROMPT, NEW, **common(T, g)),
-        "eagle3": lambda T, g: eagle_generate(eagle, m["head"], PROMPT, NEW, k=K, **common(T, g)),
-        "eagle3-tree": lambda T, g: eagle_generate(eagle_tree, m["head"], PROMPT, NEW, budget=BUDGET, **common(T, g)),
-        "diffusion-cached": lambda T, g: generate_cached(mdlm, PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, T, generator=g),
+        "ar": Loop(story(lambda p, n, c: multi_step_generate(ar, p, n, **c)), [ar.model]),
+        "ar-steps": Loop(story(lambda p, n, c: multi_step_generate(steps, p, n, **c)), [steps.model]),
+        "ar-static": Loop(story(lambda p, n, c: ar_generate(ar_static, p, n, **c)), [ar_static]),
+        "spec": Loop(story(lambda p, n, c: speculative_generate(*spec, p, n, K, **c)), list(spec)),
+        "spec-fused": Loop(story(lambda p, n, c: fused_speculative_generate(spec_fused, p, n, **c)),
+                           [spec_fused.target, spec_fused.draft]),
+        "spec-fr-round": Loop(story(lambda p, n, c: speculative_generate(*fr, p, n, K, propose=fr[1].propose, **c)),
+                              list(fr)),
+        "spec-fr-fused": Loop(story(lambda p, n, c: fused_speculative_generate(fr_fused, p, n, **c)),
+                              [fr_fused.target, fr_fused.draft]),
+        "dflash": Loop(story(lambda p, n, c: dflash_generate(*dflash, p, n, **c)), list(dflash)),
+        "dflash-fused": Loop(story(lambda p, n, c: fused_dflash_generate(dflash_fused[0], p, n, **c)),
+                             [dflash_fused[0].target, dflash_fused[0].drafter]),
+        "dflash-fused-reject": Loop(story(lambda p, n, c: fused_dflash_generate(dflash_fused[1], p, n, rule="reject",
+                                                                                **c)),
+                                    [dflash_fused[1].target, dflash_fused[1].drafter]),
+        "ddtree": Loop(story(lambda p, n, c: ddtree_generate(*ddtree, p, n, budget=BUDGET, **c)), list(ddtree)),
+        "ddtree-fused": Loop(story(lambda p, n, c: fused_ddtree_generate(ddtree_fused, p, n, **c)),
+                             [ddtree_fused.target, ddtree_fused.drafter]),
+        "eagle3": Loop(story(lambda p, n, c: eagle_generate(eagle, m["head"], p, n, k=K, **c)), [eagle]),
+        "eagle3-tree": Loop(story(lambda p, n, c: eagle_generate(eagle_tree, m["head"], p, n, budget=BUDGET, **c)),
+                            [eagle_tree]),
+        "diffusion-cached": Loop(diffusion(mdlm), [mdlm]),
     }
     assert list(loops) == METHODS
     return loops
 
 
 def eager_loops(m) -> dict:
-    """Each method's eager twin, the loop its compiled one must match: name -> decode(temperature, generator)."""
+    """Each method's eager twin, the loop its compiled one must match: name -> decode (as Loop.decode)."""
     t, draft, drafter, head = m["target"], m["draft"], m["drafter"], m["head"]
-    ar = lambda T, g: ar_generate(t, PROMPT, NEW, **common(T, g))  # noqa: E731
-    spec = lambda T, g: speculative_generate(t, draft, PROMPT, NEW, K, **common(T, g))  # noqa: E731
-    fr = lambda T, g: speculative_generate(t, m["draft_fr"], PROMPT, NEW, K, propose=subset_draft_round,  # noqa: E731
-                                           **common(T, g))
-    dflash = lambda T, g: dflash_generate(t, drafter, PROMPT, NEW, **common(T, g))  # noqa: E731
-    ddtree = lambda T, g: ddtree_generate(t, drafter, PROMPT, NEW, budget=BUDGET, **common(T, g))  # noqa: E731
+    ar = story(lambda p, n, c: ar_generate(t, p, n, **c))
+    spec = story(lambda p, n, c: speculative_generate(t, draft, p, n, K, **c))
+    fr = story(lambda p, n, c: speculative_generate(t, m["draft_fr"], p, n, K, propose=subset_draft_round, **c))
+    dflash = story(lambda p, n, c: dflash_generate(t, drafter, p, n, **c))
+    ddtree = story(lambda p, n, c: ddtree_generate(t, drafter, p, n, budget=BUDGET, **c))
     loops = {"ar": ar, "ar-steps": ar, "ar-static": ar, "spec": spec, "spec-fused": spec, "spec-fr-round": fr,
              "spec-fr-fused": fr, "dflash": dflash, "dflash-fused": dflash,
-             "dflash-fused-reject": lambda T, g: dflash_generate(t, drafter, PROMPT, NEW, rule="reject", **common(T, g)),
+             "dflash-fused-reject": story(lambda p, n, c: dflash_generate(t, drafter, p, n, rule="reject", **c)),
              "ddtree": ddtree, "ddtree-fused": ddtree,
-             "eagle3": lambda T, g: eagle_generate(t, head, PROMPT, NEW, k=K, **common(T, g)),
-             "eagle3-tree": lambda T, g: eagle_generate(t, head, PROMPT, NEW, budget=BUDGET, **common(T, g)),
-             "diffusion-cached": lambda T, g: generate_cached(m["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, T,
-                                                              generator=g)}
+             "eagle3": story(lambda p, n, c: eagle_generate(t, head, p, n, k=K, **c)),
+             "eagle3-tree": story(lambda p, n, c: eagle_generate(t, head, p, n, budget=BUDGET, **c)),
+             "diffusion-cached": diffusion(m["mdlm"])}
     assert list(loops) == METHODS
     return loops

@@ -43,7 +43,7 @@ def traced():
         patch.setattr(compiled, "compile_step", compile_step)
         patch.setattr(Wrapped, "replays_cuda_graphs", lambda self, weight: True)
         patch.setattr(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
-        for name, decode in compiled_loops(models()).items():
+        for name, (decode, _) in compiled_loops(models()).items():
             start, calls = len(recorder.graphs), []
             for temperature in (0.0, 1.0):
                 for story in (1, 2):

@@ -45,7 +45,7 @@ def test_compiled_loops_replay_cuda_graphs(loops, method):
     expected = eager[method](0.0, None)[0]
     seen = []
     for _ in range(3):
-        assert compiled[method](0.0, None)[0] == expected, method
+        assert compiled[method].decode(0.0, None)[0] == expected, method
         seen.append(recordings())
     assert counters["inductor"]["cudagraph_skips"] == skips, "a graph ran without its CUDA graph (TORCH_LOGS=cudagraphs)"
     assert seen[0] > 0 and seen[2] == seen[1], f"CUDA graphs recorded after each story: {seen}"
@@ -56,7 +56,7 @@ def test_a_sampled_story_replays_too(loops):
     compiled, _ = loops
     before, counts = recordings(), []
     for seed in range(3):
-        tokens = compiled["ar"](1.0, torch.Generator("cuda").manual_seed(seed))[0]
+        tokens = compiled["ar"].decode(1.0, torch.Generator("cuda").manual_seed(seed))[0]
         assert len(tokens) > 0 and all(0 <= t < 64 for t in tokens)
         counts.append(recordings())
     assert counts[2] == counts[1] >= before, f"CUDA graphs recorded after each story: {counts}"
