@@ -70,7 +70,7 @@ def main():
     model.eval()
     static = StaticModel(model, hot=(1,))
     prompt = torch.arange(args.prompt_tokens, device=device)[None]  # (1, P)
-    x = prompt[:, -1:]  # (1, 1): the token each timed call reads
+    x = prompt[0, -1:].clone().view(1, 1)  # (1, 1), strides (1, 1) as StaticModel's: the token each call reads
     rows = torch.arange(args.prompt_tokens - 1, args.prompt_tokens, device=device)
 
     with torch.no_grad():
@@ -79,10 +79,11 @@ def main():
         length = cache.length
         mask = None
 
-        def replay():  # what StaticModel.__call__ runs inside, kernels off as there
+        def replay():  # what StaticModel.__call__ runs inside, kernels off as there: the graph call() compiled
             torch.compiler.cudagraph_mark_step_begin()
+            at = rows.clone()  # the positions are the rows, one tensor (aliasing is in the graph's guards)
             with kernels_enabled(False):
-                return static.step.compiled(cache, x.clone(), rows.clone(), rows.clone(), mask)
+                return static.step.compiled(cache, x.clone(), at, at, mask)
 
         def call():
             out = static(x, cache=cache, causal=True)
@@ -123,8 +124,10 @@ def main():
           f"{args.calls} calls at cache length {length}")
     for key, us in rows_out.items():
         print(f"{key:<8}{us:9.1f} us  ({1e6 / us:8.0f} per second)")
+    from torch._dynamo.utils import counters
+    # call's 1-token forward, fused's step and steps8's 8 steps; one more means a row timed another graph
+    print(f"graphs compiled: {counters['stats']['unique_graphs']} (3 expected)")
     if device.type == "cuda":  # a graph inductor left uncaptured runs its kernels one launch at a time
-        from torch._dynamo.utils import counters
         print(f"graphs that skipped CUDA graphs: {counters['inductor']['cudagraph_skips']} (TORCH_LOGS=cudagraphs: why)")
 
 
