@@ -174,6 +174,7 @@ def test_bench_compile_runs_ar_spec_dflash_and_ddtree_rows_on_fused_rounds(tiny_
     ours = METHODS[method](fused, prompt, args, torch.Generator().manual_seed(0))
     assert ours["new_tokens"] == plain["new_tokens"] == 12 and ours.get("accepted") == plain.get("accepted")
     assert ours["target_forwards"] == plain["target_forwards"] + method.startswith(("ar", "spec"))
+    assert method == "ar" or 0 < ours["graph_seconds"] < ours["seconds"]  # each round one graph, timed
 
 
 def test_bench_ar_steps_rows_decode_their_steps_a_call(tiny_model):
@@ -192,19 +193,24 @@ def test_bench_ar_steps_rows_decode_their_steps_a_call(tiny_model):
     assert compiled_models("ar-steps4", {"target": tiny_model}, args)["fused"].steps == 4
 
 
-def test_bench_times_a_round_run_as_one_graph_in_all():
-    """A fused round (fused_round.py) is not split into drafting and verifying: its row gives the whole
-    round's microseconds, and no loop costs."""
+def test_bench_splits_a_round_run_as_one_graph_into_the_graph_and_the_host():
+    """A fused round (fused_round.py) is not split into drafting and verifying: its row gives per round the
+    time from the graph's call to its read-back and the host's rest, and no loop costs. A loop that
+    clocks nothing gives the whole round."""
     from types import SimpleNamespace
 
     from tinydiff.bench.measure import measure
 
-    def method(models, prompt, args, generator):  # two rounds a prompt, 0.5 s each
+    def method(models, prompt, args, generator):  # two rounds a prompt, 0.5 s each, 0.375 s in the graph
         return {"new_tokens": 5, "target_forwards": 2, "proposed": 4, "accepted": [0, 1, 1], "rejected": 1,
-                "slot_judged": [2, 1], "slot_kept": [2, 1], "seconds": 1.0}
+                "slot_judged": [2, 1], "slot_kept": [2, 1], "seconds": 1.0, **clocked}
 
+    clocked = {"graph_seconds": 0.75}
     row = measure(method, {}, [[1], [2]], SimpleNamespace(device="cpu", seed=0))
-    assert row["us_per_round"] == {"in all": 0.5e6} and "seconds_per_draft" not in row
+    assert row["us_per_round"] == {"graph": 0.375e6, "host": 0.125e6} and "seconds_per_draft" not in row
+    clocked = {}
+    row = measure(method, {}, [[1], [2]], SimpleNamespace(device="cpu", seed=0))
+    assert row["us_per_round"] == {"in all": 0.5e6}
 
 
 def test_bench_interleave_times_every_method_on_a_prompt_before_the_next():

@@ -248,3 +248,25 @@ def test_an_unknown_compile_mode_is_a_one_line_error():
         inductor_settings("fast", "cpu")
     assert inductor_settings("default", "cpu") == ({}, {})
     assert inductor_settings("max-autotune", "cpu")[1]["freezing"]  # the CPU's template needs constant weights
+
+
+def test_read_back_times_the_call_and_copy_but_not_the_compiling():
+    """Compiled.read_back: the call's tensor as a list; read_seconds sums the calls' time without the seconds
+    a first call spent compiling (here a call that takes 0.2 s and books them as compiling)."""
+    import time
+
+    from tinydiff.compiled import Compiled
+
+    class CompilesOnFirstCall(Compiled):
+        def __call__(self, tokens, key, *args):
+            if key not in self.seen:
+                time.sleep(0.2)
+                self.compile_seconds += 0.2
+                self.seen.add(key)
+            return super().__call__(tokens, key, *args)
+
+    step = CompilesOnFirstCall(lambda x: x + 1, "cpu", (), compile=False)
+    assert step.read_back(2, 2, torch.tensor([1, 2])) == [2, 3]
+    first = step.read_seconds
+    assert 0 <= first < 0.2 and step.compile_seconds == 0.2  # without the subtraction, at least 0.2
+    assert step.read_back(2, 2, torch.tensor([5, 6])) == [6, 7] and step.read_seconds > first

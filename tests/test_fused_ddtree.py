@@ -85,6 +85,7 @@ def test_the_fused_round_commits_ddtree_generates_tokens_counts_and_caches(model
             assert ours_result.slot_judged == result.slot_judged and ours_result.slot_kept == result.slot_kept
             assert ours_result.forwards == result.forwards and ours_result.draft_forwards == result.draft_forwards
             assert ours_result.draft_seconds is None  # a fused round has no stages to clock
+            assert 0 < ours_result.graph_seconds < ours_result.seconds  # its graphs' calls, inside the timed loop
             for (_, n, tokens, caches), (_, m, their_tokens, reference) in zip(ours_rounds, rounds, strict=True):
                 assert (n, tokens) == (m, their_tokens)
                 for (length, rows), (reference_length, reference_rows) in zip(caches, reference):

@@ -123,6 +123,7 @@ def test_the_fused_round_commits_dflash_generates_tokens_counts_and_caches(model
             assert ours_result.accepted == result.accepted and ours_result.slot_kept == result.slot_kept
             assert ours_result.forwards == result.forwards and ours_result.draft_forwards == result.draft_forwards
             assert ours_result.draft_seconds is None  # a fused round has no stages to clock
+            assert 0 < ours_result.graph_seconds < ours_result.seconds  # its graphs' calls, inside the timed loop
             for (drafts, n, tokens, caches), (their_drafts, m, their_tokens, reference) in zip(ours_rounds, rounds,
                                                                                                 strict=True):
                 assert (drafts, n, tokens) == (their_drafts, m, their_tokens)

@@ -193,6 +193,7 @@ def test_the_fused_round_commits_speculative_generates_tokens_counts_and_caches(
         # The fused loop reads the prompt in a forward of its own; the eager loop's first verify reads it.
         assert ours_result.forwards == result.forwards + 1 and ours_result.draft_forwards == result.draft_forwards
         assert ours_result.draft_seconds is None  # a fused round has no stages to clock
+        assert 0 < ours_result.graph_seconds < ours_result.seconds  # its graphs' calls, inside the timed loop
         for (n, tokens, caches), (m, reference_tokens, reference) in zip(ours_rounds, rounds, strict=True):
             assert (n, tokens) == (m, reference_tokens)
             for (length, rows), (reference_length, reference_rows) in zip(caches, reference):

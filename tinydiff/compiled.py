@@ -162,7 +162,8 @@ class Compiled:
     compile: True (the default mode) or a COMPILE_MODES name; False or None runs every shape eagerly.
 
     `compile_seconds` sums the first call of each compiled shape (tracing, code generation and
-    that call's run), which a benchmark reports apart from decoding.
+    that call's run), which a benchmark reports apart from decoding. `read_seconds` sums the calls made
+    through `read_back`, compiling left out.
     """
 
     def __init__(self, fn, device, hot, compile=True):
@@ -170,7 +171,7 @@ class Compiled:
         mode = "default" if compile is True else compile  # True: the default mode; False or None: eager
         self.compiled = compile_step(fn, device, mode) if mode else None
         self.settings = inductor_settings(mode, device)[1] if mode else {}
-        self.seen, self.compile_seconds = set(), 0.0
+        self.seen, self.compile_seconds, self.read_seconds = set(), 0.0, 0.0
 
     def __call__(self, tokens: int, key, *args):
         if self.compiled is None or tokens not in self.hot:
@@ -187,6 +188,14 @@ class Compiled:
         self.seen.add(key)
         self.compile_seconds += time.perf_counter() - start
         return out
+
+    def read_back(self, tokens: int, key, *args) -> list:
+        """The call's one tensor as host values, timed from the call to the copy back (on CUDA: the launch or
+        replay and the device's work the copy waits for). What a round spends outside it is the host's."""
+        start, compiling = time.perf_counter(), self.compile_seconds
+        values = self(tokens, key, *args).tolist()
+        self.read_seconds += time.perf_counter() - start - (self.compile_seconds - compiling)
+        return values
 
 
 def detach_outputs(out, device):

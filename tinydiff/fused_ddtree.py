@@ -172,9 +172,9 @@ class FusedDDTree:
         draws = RewindableDraws(generator, device, greedy)
         u = draws.draw((B, 1))  # one per depth the walk may visit
         with kernels_enabled(False):
-            packed = self.round(self.budget, (B, warp_args), target_cache, draft_cache, idx, start,
-                                torch.tensor(depth, device=device), u, self.budget, warp_args)
-        *path, n, bonus, size, height = packed.tolist()  # the round's one read-back
+            *path, n, bonus, size, height = self.round.read_back(  # the round's one read-back
+                self.budget, (B, warp_args), target_cache, draft_cache, idx, start, torch.tensor(depth, device=device),
+                u, self.budget, warp_args)
         draws.spend(n + 1)  # what the eager walk spends: one number per node it visits
         target_cache.advance(self.rows())
         draft_cache.advance(self.rows())
@@ -186,11 +186,12 @@ def fused_ddtree_generate(fused: FusedDDTree, prompt, max_new_tokens, temperatur
                           generator=None, stop_token=EOT, on_round=None):
     """ddtree.ddtree_generate with each round one compiled graph: the same arguments (the models, block size
     and budget are fused's), tokens and counts. on_round's info has no `tree` (it never leaves the
-    device) and `path` is None; a fused round has no stages to clock (draft_seconds stays None)."""
+    device) and `path` is None; a fused round has no stages to clock (draft_seconds stays None), and
+    graph_seconds is the time from its graphs' calls to their read-backs, the rest of the loop's the host's."""
     target, drafter, warp_args = fused.target, fused.drafter, (temperature, top_k, top_p)
     n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens,
                                                                   fused.block_size, warp_args)
-    seq, out, tally = list(prompt), [], Tally(B - 1, chain=False)
+    seq, out, tally, graph_start = list(prompt), [], Tally(B - 1, chain=False), fused.round.read_seconds
     tally.prefill = prefill
     while len(out) < n_new:
         depth = min(B - 1, n_new - len(out) - 1)  # as ddtree_generate: never past n_new
@@ -211,4 +212,5 @@ def fused_ddtree_generate(fused: FusedDDTree, prompt, max_new_tokens, temperatur
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, tally.result(out, target.embed.weight.device)
+    graph_seconds = fused.round.read_seconds - graph_start
+    return out, tally.result(out, target.embed.weight.device, graph_seconds=graph_seconds)

@@ -155,10 +155,9 @@ class FusedDFlash:
             u_accept = torch.rand(m, generator=generator, device=device) if m else torch.zeros(0, device=device)
             u_last = uniforms((1, 1), greedy, generator, device)
         with kernels_enabled(False):
-            packed = self.round(B, (B, rule, warp_args), target_cache, draft_cache, idx, start,
-                                padded(u_draft, B - 1), padded(u_accept, B - 1), padded(u_last, B), self.live[m],
-                                rule, warp_args)
-        *drafts, n, token = packed.tolist()  # the round's one read-back
+            *drafts, n, token = self.round.read_back(  # the round's one read-back
+                B, (B, rule, warp_args), target_cache, draft_cache, idx, start, padded(u_draft, B - 1),
+                padded(u_accept, B - 1), padded(u_last, B), self.live[m], rule, warp_args)
         if draws is not None:  # spend what the eager judge spends: one number per position judged
             draws.spend(n + 1)
         target_cache.advance(B)
@@ -171,13 +170,14 @@ def fused_dflash_generate(fused: FusedDFlash, prompt, max_new_tokens, temperatur
                           generator=None, stop_token=EOT, on_round=None, rule="match"):
     """dflash_decode.dflash_generate with each round one compiled graph: the same arguments (the models and
     the block size are fused's; no min_confidence), tokens and counts. A fused round is not split into
-    drafting and verifying: the result's draft_seconds and verify_seconds stay None."""
+    drafting and verifying (draft_seconds and verify_seconds stay None); graph_seconds is the time from its
+    graphs' calls to their read-backs, the rest of the loop's the host's."""
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
     target, drafter, warp_args = fused.target, fused.drafter, (temperature, top_k, top_p)
     n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens,
                                                                   fused.block_size, warp_args)
-    seq, out, tally = list(prompt), [], Tally(B - 1)
+    seq, out, tally, graph_start = list(prompt), [], Tally(B - 1), fused.round.read_seconds
     tally.prefill = prefill
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # as dflash_generate: never past n_new
@@ -195,4 +195,5 @@ def fused_dflash_generate(fused: FusedDFlash, prompt, max_new_tokens, temperatur
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, tally.result(out, target.embed.weight.device)
+    graph_seconds = fused.round.read_seconds - graph_start
+    return out, tally.result(out, target.embed.weight.device, graph_seconds=graph_seconds)

@@ -217,9 +217,9 @@ class FusedSpeculation:
         if m < k:  # the slots past the verified ones draft from zeros; nothing reads them
             u_draft, u_accept = padded(u_draft, k), padded(u_accept, k)
         with kernels_enabled(False):
-            packed = self.round(idx.shape[1], (idx.shape[1], warp_args), target_cache, draft_cache, idx, rows,
-                                u_draft, u_accept, u_last, self.live[m], k, warp_args)
-        *drafts, n, token = packed.tolist()  # the round's one read-back
+            *drafts, n, token = self.round.read_back(  # the round's one read-back
+                idx.shape[1], (idx.shape[1], warp_args), target_cache, draft_cache, idx, rows, u_draft, u_accept,
+                u_last, self.live[m], k, warp_args)
         draft_cache.advance(T0 + m - 1 if m else 0)  # the rows an eager round of m drafts writes
         target_cache.advance(m + 1)
         return drafts[:m], n, token
@@ -239,13 +239,14 @@ def fused_speculative_generate(fused: FusedSpeculation, prompt, max_new_tokens, 
                                top_p=None, generator=None, stop_token=EOT, on_round=None):
     """speculative.speculative_generate with fused.k drafts a round, each full round one compiled graph:
     the same arguments (k and the models are fused's), tokens and counts. A fused round is not split
-    into drafting and verifying: the result's draft_seconds and verify_seconds stay None."""
+    into drafting and verifying (draft_seconds and verify_seconds stay None); graph_seconds is the time
+    from its graphs' calls to their read-backs, the rest of the loop's the host's."""
     check_warp_args(temperature, top_k, top_p)
     target, draft, k, warp_args = fused.target, fused.draft, fused.k, (temperature, top_k, top_p)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     check_models(target, draft, len(prompt) + n_new)
     target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
-    seq, out, tally = list(prompt), [], Tally(k)
+    seq, out, tally, graph_start = list(prompt), [], Tally(k), fused.round.read_seconds
     if len(prompt) > 1:  # both models read the prompt but its newest token, which the first round reads
         tally.prefill = prefill(target, target_cache, prompt[:-1])[1]
         prefill(draft, draft_cache, prompt[:-1])
@@ -264,4 +265,5 @@ def fused_speculative_generate(fused: FusedSpeculation, prompt, max_new_tokens, 
                       "target_cache": target_cache, "draft_cache": draft_cache})
         if stopped:
             break
-    return out, tally.result(out, target.embed.weight.device)
+    graph_seconds = fused.round.read_seconds - graph_start
+    return out, tally.result(out, target.embed.weight.device, graph_seconds=graph_seconds)

@@ -43,6 +43,7 @@ class Speculated(Decoded):
     slot_kept: list  # slot_kept[j]: those of them that kept it
     draft_seconds: float | None = None  # the chain loops (speculative, DFlash, DDTree): time drafting, and verifying
     verify_seconds: float | None = None
+    graph_seconds: float | None = None  # the fused loops (a round one compiled graph): its calls to read-back
     DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
 
     @property

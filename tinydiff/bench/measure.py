@@ -152,7 +152,11 @@ def summarise(totals: dict, n_prompts: int) -> dict:
         row["us_per_round"] = {"draft": 1e6 * totals["draft_seconds"] / rounds,
                                "verify": 1e6 * totals["verify_seconds"] / rounds,
                                "host": 1e6 * (totals["seconds"] - totals["draft_seconds"] - totals["verify_seconds"]) / rounds}
-    elif "accepted" in totals:  # a round run as one graph (fused_round.py) has no stages to split
+    elif "graph_seconds" in totals:  # a round run as one graph (fused_round.py): the graph's call to read-back
+        rounds = sum(totals["accepted"])
+        row["us_per_round"] = {"graph": 1e6 * totals["graph_seconds"] / rounds,
+                               "host": 1e6 * (totals["seconds"] - totals["graph_seconds"]) / rounds}
+    elif "accepted" in totals:  # rounds timed only as a whole
         row["us_per_round"] = {"in all": 1e6 * totals["seconds"] / sum(totals["accepted"])}
     if "accepted" in totals:
         row["accepted_hist"] = totals["accepted"]

@@ -105,7 +105,10 @@ def chain_counts(ids, result):
 
 
 def stage_seconds(result):
-    """The seconds a loop that clocks its rounds (tally.Tally.clock) spent drafting and verifying."""
+    """The seconds a loop that clocks its rounds (tally.Tally.clock) spent drafting and verifying, or a fused
+    loop's from its graphs' calls to their read-backs."""
+    if result.graph_seconds is not None:
+        return {"graph_seconds": result.graph_seconds}
     if result.draft_seconds is None:
         return {}
     return {"draft_seconds": result.draft_seconds, "verify_seconds": result.verify_seconds}
