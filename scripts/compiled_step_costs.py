@@ -31,26 +31,7 @@ from tinydiff.kernels import kernels_enabled
 from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.sampling import next_token_probs, sample
-from tinydiff.tally import split_time
-
-
-def per_call_us(fn, calls: int, device) -> float:
-    for _ in range(3):
-        fn()
-    start = split_time(device)
-    for _ in range(calls):
-        fn()
-    return 1e6 * (split_time(device) - start) / calls
-
-
-def gpu_us(fn, calls: int) -> float:
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * begin.elapsed_time(end) / calls
+from tinydiff.tally import device_us, per_call_us
 
 
 def main():
@@ -113,7 +94,7 @@ def main():
         steps_call()
         rows_out = {"replay": per_call_us(replay, args.calls, device)}
         if device.type == "cuda":
-            rows_out["gpu"] = gpu_us(replay, args.calls)
+            rows_out["gpu"] = device_us(replay, args.calls)
         rows_out["call"] = per_call_us(call, args.calls, device)
         rows_out["token"] = per_call_us(lambda: token(static, cache), args.calls, device)
         rows_out["fused"] = per_call_us(fused_token, args.calls, device)

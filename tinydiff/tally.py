@@ -147,6 +147,28 @@ def elapsed(start: float, device) -> float:
     return split_time(device) - start
 
 
+def per_call_us(fn, calls: int, device) -> float:
+    """Microseconds per call of fn over `calls` back-to-back calls (after 3 untimed ones), the GPU waited for
+    at both ends: on CUDA the host's time per call where it is slower than the device, else the device's."""
+    for _ in range(3):
+        fn()
+    start = split_time(device)
+    for _ in range(calls):
+        fn()
+    return 1e6 * elapsed(start, device) / calls
+
+
+def device_us(fn, calls: int) -> float:
+    """Microseconds of the device's own time per call of fn (CUDA events around `calls` calls)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * begin.elapsed_time(end) / calls
+
+
 @dataclass
 class Tally:
     """What every draft/verify loop counts, one `add` per round. A loop that verifies trees passes
