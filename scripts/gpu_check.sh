@@ -90,8 +90,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the b
 
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernel_paths.py tests/test_kernels_fp4.py
-TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m pytest -q -p no:cacheprovider -n 0 \
-    tests/test_cuda_graphs.py
+TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m pytest -v -p no:cacheprovider -n 0 \
+    tests/test_cuda_graphs.py  # -v: each test's verdict as it ends, kept if the limit cuts the rest
 # The rows are written as they come: a timeout keeps them.
 # shellcheck disable=SC2086  # the arguments are words
 step kernel_bench 120 "$PY" -m tinydiff.kernels.bench ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
