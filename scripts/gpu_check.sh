@@ -19,8 +19,8 @@
 #      microseconds; then FR-Spec's fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved,
 #      with the sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and
 #      `13m`: one compiled ar step taken apart (graph replay, device time, wrapper, sampling, the
-#      eager step); scripts/compiled_round_costs.py on `tiny`: spec-k4's, dflash-b16's and ddtree-n32's
-#      fused rounds taken apart the same way, each in compiled ar tokens; then the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence
+#      eager step); scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's, dflash-b16's and
+#      ddtree-n32's fused rounds taken apart the same way, each in compiled ar tokens; then the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence
 #      0 and ddtree-n32-reject at T = 0: dflash-b16's and ddtree-n32's rounds on compiled steps);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
@@ -34,7 +34,7 @@
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
 # test_cuda_graphs bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m round_costs_tiny
-# bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
+# round_costs_13m bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -121,7 +121,9 @@ for preset in tiny 13m; do  # where a compiled step's time goes: graph, wrapper,
     step "step_costs_$preset" 60 "$PY" scripts/compiled_step_costs.py --preset "$preset"
 done
 # where a fused round's time goes (graph replay, device, read-back, host), in compiled ar tokens
-step round_costs_tiny 90 "$PY" scripts/compiled_round_costs.py --preset tiny
+for preset in tiny 13m; do
+    step "round_costs_$preset" 90 "$PY" scripts/compiled_round_costs.py --preset "$preset"
+done
 # -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
 # ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
 step bench_compile_twins 150 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
