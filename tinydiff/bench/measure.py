@@ -148,17 +148,13 @@ def summarise(totals: dict, n_prompts: int) -> dict:
     if "draft_seconds" in totals:  # the loop's own costs, for Leviathan's formula with real prices
         row["seconds_per_draft"] = totals["draft_seconds"] / totals.get("proposed", totals.get("nodes"))
         row["seconds_per_verify"] = totals["verify_seconds"] / totals["target_forwards"]
-        rounds = sum(totals["accepted"])  # per round: drafting, verifying, and the loop's own work around them
-        row["us_per_round"] = {"draft": 1e6 * totals["draft_seconds"] / rounds,
-                               "verify": 1e6 * totals["verify_seconds"] / rounds,
-                               "host": 1e6 * (totals["seconds"] - totals["draft_seconds"] - totals["verify_seconds"]) / rounds}
-    elif "graph_seconds" in totals:  # a round run as one graph (fused_round.py): the graph's call to read-back
+    if "accepted" in totals:  # per round: the stages the loop clocked (drafting and verifying, or a fused
+        # round's graph call to its read-back), then the loop's own work around them; unclocked, the whole round
+        stages = {part: totals[f"{part}_seconds"] for part in ("draft", "verify", "graph")
+                  if f"{part}_seconds" in totals}
         rounds = sum(totals["accepted"])
-        row["us_per_round"] = {"graph": 1e6 * totals["graph_seconds"] / rounds,
-                               "host": 1e6 * (totals["seconds"] - totals["graph_seconds"]) / rounds}
-    elif "accepted" in totals:  # rounds timed only as a whole
-        row["us_per_round"] = {"in all": 1e6 * totals["seconds"] / sum(totals["accepted"])}
-    if "accepted" in totals:
+        row["us_per_round"] = {part: 1e6 * seconds / rounds for part, seconds in stages.items()}
+        row["us_per_round"]["host" if stages else "in all"] = 1e6 * (totals["seconds"] - sum(stages.values())) / rounds
         row["accepted_hist"] = totals["accepted"]
         accepted = sum(n * count for n, count in enumerate(totals["accepted"]))
         judged = accepted + totals.get("rejected", 0)
