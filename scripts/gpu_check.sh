@@ -20,8 +20,9 @@
 #      with the sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and
 #      `13m`: one compiled ar step taken apart (graph replay, device time, wrapper, sampling, the
 #      eager step); scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's, dflash-b16's and
-#      ddtree-n32's fused rounds taken apart the same way, each in compiled ar tokens; then the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence
-#      0 and ddtree-n32-reject at T = 0: dflash-b16's and ddtree-n32's rounds on compiled steps);
+#      ddtree-n32's fused rounds taken apart the same way, each in compiled ar tokens; then the stepwise
+#      twins compiled (dflash-b8; dflash-b16-sched at --min-confidence 0 and ddtree-n32-reject at T = 0:
+#      dflash-b16's and ddtree-n32's rounds on compiled steps);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
