@@ -16,13 +16,13 @@
 #      twins below), then with --compile (static-shape steps, CUDA graphs): ar, ar-steps8 (8 AR tokens a
 #      graph call: fused_steps.py), spec-k4, dflash-b16 and ddtree-n32 (each round one graph:
 #      fused_round.py, fused_dflash.py, fused_ddtree.py): tokens/s, compile seconds, per-round
-#      microseconds; then FR-Spec's fused rounds (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved,
-#      with the sample text for FR-Spec's ids); then scripts/compiled_step_costs.py on `tiny` and
-#      `13m`: one compiled ar step taken apart (graph replay, device time, wrapper, sampling, the
-#      eager step); scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's, dflash-b16's and
-#      ddtree-n32's fused rounds taken apart the same way, each in compiled ar tokens; then the stepwise
-#      twins compiled (dflash-b8; dflash-b16-sched at --min-confidence 0 and ddtree-n32-reject at T = 0:
-#      dflash-b16's and ddtree-n32's rounds on compiled steps);
+#      microseconds; then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step
+#      taken apart (graph replay, device time, wrapper, sampling, the eager step);
+#      scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's, dflash-b16's and ddtree-n32's
+#      fused rounds taken apart the same way, each in compiled ar tokens; then FR-Spec's fused rounds
+#      (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids); then
+#      the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence 0 and
+#      ddtree-n32-reject at T = 0: dflash-b16's and ddtree-n32's rounds on compiled steps);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
@@ -34,8 +34,11 @@
 # (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
-# test_cuda_graphs bench_eager bench_compile bench_compile_fr step_costs_tiny step_costs_13m round_costs_tiny
-# round_costs_13m bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1).
+# test_cuda_graphs bench_eager bench_compile step_costs_tiny round_costs_tiny step_costs_13m round_costs_13m
+# bench_compile_fr bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1;
+# they still run in this order). GPU_CHECK_TAR=FILE writes every log so far into one archive after each
+# step: a device call that brings back only a few files (8 here) brings back that one, whole, even when
+# the call's time limit cuts the script (give a LOGDIR outside FILE's folder).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -70,6 +73,10 @@ fi
 status=0
 BUDGET="${GPU_CHECK_BUDGET:-560}"
 : > "$LOGDIR/summary.txt"
+bundle() {  # with GPU_CHECK_TAR: the logs so far into one archive, replaced whole (a cut call keeps the last)
+    [ -n "${GPU_CHECK_TAR:-}" ] || return 0
+    tar czf "$GPU_CHECK_TAR.part" -C "$LOGDIR" . && mv -f "$GPU_CHECK_TAR.part" "$GPU_CHECK_TAR"
+}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the budget), log, record the outcome
     local name=$1 limit=$2; shift 2
     if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then return; fi
@@ -87,6 +94,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the b
     elif [ $rc -ne 0 ]; then verdict="FAILED (rc $rc)"; status=1; fi
     printf '%-14s %-16s %4ds  %s\n' "$name" "$verdict" $((SECONDS - start)) "$LOGDIR/$name.log" | tee -a "$LOGDIR/summary.txt"
     tail -n 3 "$LOGDIR/$name.log"
+    bundle
 }
 
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
@@ -104,7 +112,7 @@ done
 if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
     echo "benches      SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
         | tee -a "$LOGDIR/summary.txt"
-    echo "logs in $LOGDIR"; exit $status
+    bundle; echo "logs in $LOGDIR"; exit $status
 fi
 step bench_eager 60 "$PY" -m tinydiff.bench --new-tokens 64 --prompts 2 --min-confidence 0 \
     --methods ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject \
@@ -114,17 +122,16 @@ step bench_eager 60 "$PY" -m tinydiff.bench --new-tokens 64 --prompts 2 --min-co
 step bench_compile 200 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
     --methods ar,ar-steps8,spec-k4,dflash-b16,ddtree-n32 --new-tokens 64 --prompts 2 --compile \
     --json "$LOGDIR/bench_compile.json" "$@"
+for preset in tiny 13m; do
+    # where a compiled step's time goes (graph, wrapper, sampling), then a fused round's (graph replay,
+    # device, read-back, host) in compiled ar tokens
+    step "step_costs_$preset" 60 "$PY" scripts/compiled_step_costs.py --preset "$preset"
+    step "round_costs_$preset" 90 "$PY" scripts/compiled_round_costs.py --preset "$preset"
+done
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"
 fi
-for preset in tiny 13m; do  # where a compiled step's time goes: graph, wrapper, sampling
-    step "step_costs_$preset" 60 "$PY" scripts/compiled_step_costs.py --preset "$preset"
-done
-# where a fused round's time goes (graph replay, device, read-back, host), in compiled ar tokens
-for preset in tiny 13m; do
-    step "round_costs_$preset" 90 "$PY" scripts/compiled_round_costs.py --preset "$preset"
-done
 # -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
 # ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
 step bench_compile_twins 150 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
@@ -149,5 +156,6 @@ step bench_13m 120 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar,ar-steps8 
 step bench 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --json "$LOGDIR/bench.json" "$@"
 step bench_t1 90 "$PY" -m tinydiff.bench --new-tokens 32 --prompts 2 --temperature 1 \
     --json "$LOGDIR/bench_t1.json" "$@"  # where users sample: acceptance by slot per row
+bundle
 echo "logs in $LOGDIR"
 exit $status
