@@ -38,7 +38,7 @@
 # bench_compile_fr bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1;
 # they still run in this order). GPU_CHECK_TAR=FILE writes every log so far into one archive after each
 # step: a device call that brings back only a few files (8 here) brings back that one, whole, even when
-# the call's time limit cuts the script (give a LOGDIR outside FILE's folder).
+# the call's time limit cuts the script (so give a LOGDIR outside the folder it brings back).
 # Exit status: 0 if every step that ran passed. Without a CUDA GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -75,7 +75,8 @@ BUDGET="${GPU_CHECK_BUDGET:-560}"
 : > "$LOGDIR/summary.txt"
 bundle() {  # with GPU_CHECK_TAR: the logs so far into one archive, replaced whole (a cut call keeps the last)
     [ -n "${GPU_CHECK_TAR:-}" ] || return 0
-    tar czf "$GPU_CHECK_TAR.part" -C "$LOGDIR" . && mv -f "$GPU_CHECK_TAR.part" "$GPU_CHECK_TAR"
+    tar czf "$GPU_CHECK_TAR.part" --exclude="$(basename "$GPU_CHECK_TAR")*" -C "$LOGDIR" . \
+        && mv -f "$GPU_CHECK_TAR.part" "$GPU_CHECK_TAR"  # the archive left out of itself, wherever it lies
 }
 step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the budget), log, record the outcome
     local name=$1 limit=$2; shift 2
