@@ -26,6 +26,7 @@ pytestmark = pytest.mark.compile
 @pytest.fixture(scope="module")
 def traced():
     """For each method: the GraphFacts of every graph it compiled, and the first call of each graph."""
+    import torch._dynamo  # its config exists once it is imported; here, not at the top (conftest.py says why)
     recorder, found = Recorder(), {}
 
     def compile_step(fn, device, mode="default"):  # compiled.compile_step, tracing instead of compiling

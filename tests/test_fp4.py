@@ -4,6 +4,7 @@
 oracle of OCP's rule (the scale by search over powers of two, each element by distance to all 16
 grid values) on adversarial blocks, and against torchao, the library implementation people use,
 bit for bit. The kernel that reads the packed weights: tests/test_kernels_fp4.py."""
+import importlib.util
 import json
 import math
 import random
@@ -145,6 +146,10 @@ def test_nan_and_inf_cannot_be_quantized():
 
 # --- torchao, bit for bit -----------------------------------------------------------------------
 
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao is optional: pip install -r requirements-fp4.txt (CI installs it)")
+
+
 def torchao_mx(w):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
@@ -152,6 +157,7 @@ def torchao_mx(w):
     return scales.view(torch.uint8), codes.view(torch.uint8)
 
 
+@needs_torchao
 @pytest.mark.parametrize("case", ["random", "bfloat16", "adversarial"])
 def test_mxfp4_equals_torchaos_mx_quantization_bit_for_bit(case):
     g = torch.Generator().manual_seed(0)
@@ -177,6 +183,7 @@ def test_mxfp4_equals_torchaos_mx_quantization_bit_for_bit(case):
         assert torch.equal(back, ours.dequantize())
 
 
+@needs_torchao
 def test_nvfp4_equals_torchaos_nvfp4_quantization_bit_for_bit():
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
     g = torch.Generator().manual_seed(1)

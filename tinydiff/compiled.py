@@ -151,7 +151,9 @@ def inductor_settings(mode: str, device) -> tuple[dict, dict]:
 def compile_step(fn, device, mode="default"):
     """torch.compile for a decode step: whole graph or an error; CUDA graphs on CUDA."""
     # Past the recompile limit (8 graphs per code object) dynamo would run the rest eagerly, without
-    # a word; a step compiles one graph per hot shape, so this only guards a longer `hot`.
+    # a word; a step compiles one graph per hot shape, so this only guards a longer `hot`. The config
+    # exists once torch._dynamo itself is imported (not at `import torch`): import it here, not at the top.
+    import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(own_frame(fn), fullgraph=True, dynamic=False, **inductor_settings(mode, device)[0])
 
