@@ -35,26 +35,22 @@ import sys
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.checkpoint import load_checkpoint
-from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE
-from tinydiff.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
-from tinydiff.compiled import StaticModel, compile_seconds, hot_steps, wrap
+from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, PROBABILITY, SEED, TEMPERATURE, UserError
 from tinydiff.ddtree import ddtree_generate
-from tinydiff.ddtree_sampled import ddtree_sampled_generate
-from tinydiff.dflash import drafter_from
-from tinydiff.dflash_decode import RULES, dflash_generate
+from tinydiff.dflash import RULES, dflash_generate
 from tinydiff.dmoe import MOE_KINDS, moe_stats, reset_stats, routing_from_flags
-from tinydiff.drafted_diffusion import ar_drafted_generate
-from tinydiff.eagle import head_from
-from tinydiff.eagle_decode import eagle_generate
-from tinydiff.errors import UserError
-from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
-from tinydiff.fused_steps import FusedSteps, multi_step_generate
-from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
+from tinydiff.eagle3 import eagle_generate
+from tinydiff.extras.ddtree_sampled import ddtree_sampled_generate
+from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.self_speculative import ORDERS, self_speculative_generate
+from tinydiff.fast.compiled import StaticModel, compile_seconds, hot_steps, wrap
+from tinydiff.fast.fused_ddtree import FusedDDTree, fused_ddtree_generate
+from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
+from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
+from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
+from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, drafter_from, head_from, load_checkpoint, load_model
+from tinydiff.io.cli import add_compile, add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.sampler import REMASKING, generate, generate_cached
-from tinydiff.self_speculative import ORDERS, self_speculative_generate
 from tinydiff.speculative import speculative_generate
 from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -241,7 +237,7 @@ def run_speculative(model, prompt, args, generator, warping):
 
 def compiled(args, method, k=4, block_size=16, budget=None, block_length=32, shift=0, **models):
     """The models (target=..., draft=..., drafter=...) as the method's loop reads them: wrapped for
-    compiled static decoding with --compile (tinydiff/compiled.py), else as they are."""
+    compiled static decoding with --compile (tinydiff/fast/compiled.py), else as they are."""
     if not args.compile:
         return tuple(models.values())
     hot = hot_steps(method, k=k, block_size=block_size, budget=budget, block_length=block_length, shift=shift)

@@ -11,8 +11,8 @@ drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG st
 """
 import sys
 
-from tinydiff.cli import run_main
-from tinydiff.trainer import INTERRUPTED, main
+from tinydiff.io.cli import run_main
+from tinydiff.train.trainer import INTERRUPTED, main
 
 if __name__ == "__main__":
     sys.exit(run_main(main, interrupted=INTERRUPTED))

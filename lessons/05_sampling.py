@@ -21,7 +21,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import preset, Transformer  # noqa: E402
 from tinydiff.sampler import commit_schedule, generate  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402

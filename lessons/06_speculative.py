@@ -24,11 +24,10 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.sampling import residual  # noqa: E402
-from tinydiff.speculative import (expected_tokens_per_round, leviathan_speedup,  # noqa: E402
-                                  speculative_generate, verify)
+from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate, verify  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser()

@@ -2,7 +2,7 @@
 
 Run: python lessons/07_dflash.py [--quick]
 Read next: lessons/08_ddtree.py; for this lesson's code tinydiff/dflash.py (drafter, training loss),
-tinydiff/dflash_decode.py (the loop), tests/test_dflash_decode.py (the proof that it is lossless)
+tinydiff/dflash.py (the loop), tests/test_dflash_decode.py (the proof that it is lossless)
 and tests/test_dflash.py (that it trains on what it sees).
 
 Lesson 06's draft guesses K tokens with K forwards of a small AR model, one after another. DFlash
@@ -26,11 +26,10 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
-from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_loss, draft_block,  # noqa: E402
-                             drafter_from, feature_layers, training_mask)
-from tinydiff.dflash_decode import dflash_generate, sample_and_match  # noqa: E402
+from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
+from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_generate, dflash_loss, draft_block, feature_layers, sample_and_match, training_mask)  # noqa: E402
+from tinydiff.io.checkpoint import drafter_from
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.speculative import next_token_probs  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402

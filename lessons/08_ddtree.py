@@ -3,7 +3,7 @@
 Run: python lessons/08_ddtree.py [--quick]
 Read next: lessons/09_ssd.py; for this lesson's code tinydiff/ddtree.py (build, compile, follow,
 compact, the loop), tests/test_ddtree.py (the proof that the heap picks the best prefixes, the
-mask is right and the output is the target's); for trees that sample (T > 0), tinydiff/ddtree_sampled.py.
+mask is right and the output is the target's); for trees that sample (T > 0), tinydiff/extras/ddtree_sampled.py.
 
 Lesson 07's drafter fills a block in one forward and the target checks ONE path: the drafter's
 favourite token at every depth. But that forward gave a whole distribution per depth. DDTree
@@ -25,12 +25,13 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree  # noqa: E402
-from tinydiff.ddtree_sampled import build_sampled_tree, follow_sampled_tree  # noqa: E402
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, draft_block, drafter_from  # noqa: E402
-from tinydiff.dflash_decode import dflash_generate  # noqa: E402
+from tinydiff.extras.ddtree_sampled import build_sampled_tree, follow_sampled_tree  # noqa: E402
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, draft_block  # noqa: E402
+from tinydiff.io.checkpoint import drafter_from
+from tinydiff.dflash import dflash_generate  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.speculative import next_token_probs  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402

@@ -25,7 +25,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.speculative import speculative_generate  # noqa: E402
 from tinydiff.ssd import forward_seconds, geometric_fan_out, ssd_generate  # noqa: E402

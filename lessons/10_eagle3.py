@@ -1,8 +1,8 @@
 """Lesson 10: EAGLE-3. A one-layer draft head, and why it must practise on its own guesses.
 
 Run: python lessons/10_eagle3.py [--quick]
-Read next: lessons/11_dmoe.py; for this lesson's code tinydiff/eagle.py (head, training-time test),
-tinydiff/eagle_decode.py (chain and tree decoding), tests/test_eagle.py (the proof that training
+Read next: lessons/11_dmoe.py; for this lesson's code tinydiff/eagle3.py (head, training-time test),
+tinydiff/eagle3.py (chain and tree decoding), tests/test_eagle.py (the proof that training
 sees what drafting sees and that the output is the target's).
 
 Lesson 07's drafter reads the target's hidden states and drafts a block in one pass. EAGLE
@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinydiff.ar import ar_generate, ar_loss  # noqa: E402
-from tinydiff.eagle import EagleConfig, EagleHead, eagle_layers, eagle_loss, unroll_mask, unrolled_logits  # noqa: E402
-from tinydiff.eagle_decode import eagle_generate  # noqa: E402
+from tinydiff.eagle3 import EagleConfig, EagleHead, eagle_layers, eagle_loss, unroll_mask, unrolled_logits  # noqa: E402
+from tinydiff.eagle3 import eagle_generate  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 
 parser = argparse.ArgumentParser()

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, block_mass, block_routing,  # noqa: E402
-                           moe_config, moe_stats, param_counts, reset_stats, set_routing)
+from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, block_mass, block_routing, moe_config, moe_stats, param_counts, reset_stats, set_routing)  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="a shorter sequence for the whole-model part")

@@ -2,7 +2,7 @@
 
 Run: python lessons/12_triton.py [--quick]
 Read next: tinydiff/kernels/sampler_step.py (this kernel), then masked_attention.py and moe_ffn.py
-(the same ideas with matrix tiles), tests/test_kernels.py, and `python -m tinydiff.kernels.bench`
+(the same ideas with matrix tiles), tests/test_kernels.py, and `python -m tinydiff.bench.kernels`
 on a GPU. This is the last lesson: lessons/README.md lists them all, and
 `python -m tinydiff.bench --report docs` measures every method on models it trains itself.
 
@@ -136,7 +136,7 @@ print(f"""
    memory traffic per logit, {pytorch_bytes / 2**20:.1f} MiB for these {N} rows, in five or more launches.
    The kernel reads each logit once ({kernel_bytes / 2**20:.1f} MiB) in one launch. The
    interpreter's {seconds * 1000:.0f} ms says nothing about that: it runs NumPy per program. On a GPU,
-   `python -m tinydiff.kernels.bench` times both and compares them with the floor bytes / bandwidth.
+   `python -m tinydiff.bench.kernels` times both and compares them with the floor bytes / bandwidth.
    The same two ideas, tiles walked by a program and running statistics instead of stored
    intermediates, make the other kernels: flash attention with a tree mask (masked_attention.py)
    and the grouped expert feed-forward (moe_ffn.py).""")

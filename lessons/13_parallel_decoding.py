@@ -1,7 +1,7 @@
 """Lesson 13: why a diffusion LM commits one token per forward, and how self-distillation buys more.
 
 Run: python lessons/13_parallel_decoding.py [--quick] [--teacher CKPT --student CKPT]
-Read next: tinydiff/distill.py (states and loss), tinydiff/sampler.py (threshold and entropy-bound
+Read next: tinydiff/extras/distill.py (states and loss), tinydiff/sampler.py (threshold and entropy-bound
 commits), tinydiff/bench/curve.py; docs/RESULTS.md has the curve of the real models. Then lesson 14
 (FP4 experts).
 
@@ -29,10 +29,10 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff.ar import ar_loss  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.bench.curve import agreement, greedy_texts  # noqa: E402
 from tinydiff.diffusion import mdlm_loss, subs_logits  # noqa: E402
-from tinydiff.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402
+from tinydiff.extras.distill import DistillConfig, make_loss, sample_rows, write_trajectories  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.sampler import block_causal_mask, commit, generate_cached  # noqa: E402
 from tinydiff.tokenizer import EOT, MASK, Tokenizer  # noqa: E402

@@ -1,9 +1,9 @@
 """Lesson 14: FP4 experts. Four bits a weight, one shared scale per 32, and the bytes a token reads.
 
 Run: python lessons/14_fp4_experts.py [--quick] [--ckpt CKPT]
-Read next: tinydiff/fp4.py (the format), tinydiff/fp4_experts.py (a MoE layer with packed experts),
+Read next: tinydiff/fp4.py (the format), tinydiff/fp4.py (a MoE layer with packed experts),
 tinydiff/kernels/moe_ffn_fp4.py (a kernel that reads them packed), tests/test_fp4.py; then
-`python -m tinydiff.quantize` on a trained mdlm-moe checkpoint (docs/USAGE.md, "FP4 experts");
+`python -m tinydiff.tools.quantize` on a trained mdlm-moe checkpoint (docs/USAGE.md, "FP4 experts");
 then lessons/15_compiled_decoding.py.
 
 Decoding is memory-bound: every forward reads the weights it uses, and in a mixture-of-experts
@@ -26,10 +26,10 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
 
 from tinydiff import fp4  # noqa: E402
-from tinydiff.checkpoint import load_checkpoint  # noqa: E402
+from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
 from tinydiff.dmoe import MoETransformer, moe_config, moe_layers, moe_stats, reset_stats, set_routing  # noqa: E402
-from tinydiff.fp4_experts import quantize_experts  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.fp4 import quantize_experts  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.tokenizer import EOT, MASK, Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -121,7 +121,7 @@ with torch.no_grad():
         out = logits if m is model else m(masked)
         ce = F.cross_entropy(out[hide].float(), ids[hide])
         print(f"   {name}: {float(ce):.4f} nats over {int(hide.sum())} masked tokens")
-print("   (a trained model's number is the one to read; `python -m tinydiff.eval` measures the held-out bound.)")
+print("   (a trained model's number is the one to read; `python -m tinydiff.tools.eval` measures the held-out bound.)")
 
 print(f"\n4. The bytes a token reads. moe_config: {config.n_layer} layers x {config.n_experts} experts "
       f"(3 x {config.d_model} x {config.expert_d_ff} weights each), top-{config.moe_top_k} + shared.")

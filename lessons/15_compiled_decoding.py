@@ -1,9 +1,9 @@
 """Lesson 15: decoding without launch overhead. Fixed shapes, one compiled graph a step, then several steps a graph.
 
 Run: python lessons/15_compiled_decoding.py [--quick] [--ckpt out/ar-tiny/ckpt.pt]
-Read next: docs/USAGE.md (`--compile`); for this lesson's code tinydiff/compiled.py (StaticCache,
-static_forward, StaticModel), tinydiff/fused_steps.py (a step with its draw, or several steps, as one
-graph), tinydiff/fused_round.py (a speculative round as one graph); tests/test_compiled.py and
+Read next: docs/USAGE.md (`--compile`); for this lesson's code tinydiff/fast/compiled.py (StaticCache,
+static_forward, StaticModel), tinydiff/fast/fused_steps.py (a step with its draw, or several steps, as one
+graph), tinydiff/fast/fused_round.py (a speculative round as one graph); tests/test_compiled.py and
 tests/test_fused_steps.py (the proof that the tokens do not change).
 
 A decoding step of a small model is a few hundred small operations. On a GPU each one is a kernel
@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.compiled import StaticModel  # noqa: E402
-from tinydiff.fused_round import PREFILL_CHUNK  # noqa: E402
-from tinydiff.fused_steps import FusedSteps, multi_step_generate  # noqa: E402
-from tinydiff.kinds import load_model  # noqa: E402
+from tinydiff.fast.compiled import StaticModel  # noqa: E402
+from tinydiff.fast.fused_round import PREFILL_CHUNK  # noqa: E402
+from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate  # noqa: E402
+from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 
 parser = argparse.ArgumentParser()

@@ -26,18 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from tinydiff.checkpoint import load_checkpoint
-from tinydiff.compiled import StaticModel
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
-from tinydiff.dflash_decode import start_decoding
-from tinydiff.fused_ddtree import FusedDDTree
-from tinydiff.fused_dflash import FusedDFlash, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, prefill
-from tinydiff.fused_steps import FusedSteps, multi_step_generate
+from tinydiff.bench.measure import device_us, per_call_us
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, start_decoding
+from tinydiff.fast.compiled import StaticModel
+from tinydiff.fast.fused_ddtree import FusedDDTree
+from tinydiff.fast.fused_dflash import FusedDFlash, static_pair
+from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, prefill
+from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
+from tinydiff.io.checkpoint import drafter_from, load_checkpoint, load_model
 from tinydiff.kernels import kernels_enabled
-from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
-from tinydiff.tally import device_us, per_call_us
 
 GREEDY = (0.0, None, None)  # the bench's --compile rows decode greedily (a round at T > 0 is another graph)
 

@@ -25,13 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from tinydiff.compiled import StaticModel
-from tinydiff.fused_steps import FusedSteps
+from tinydiff.bench.measure import device_us, per_call_us
+from tinydiff.fast.compiled import StaticModel
+from tinydiff.fast.fused_steps import FusedSteps
+from tinydiff.io.checkpoint import load_model
 from tinydiff.kernels import kernels_enabled
-from tinydiff.kinds import load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.sampling import next_token_probs, sample
-from tinydiff.tally import device_us, per_call_us
 
 
 def main():

@@ -9,7 +9,7 @@
 #      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0); then
 #      tests/test_cuda_graphs.py: the loops the bench times with --compile give the eager tokens on CUDA,
 #      run no graph without its CUDA graph, and record none again after their first stories;
-#   2. python -m tinydiff.kernels.bench $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
+#   2. python -m tinydiff.bench.kernels $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
 #   3. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32 and the stepwise
@@ -104,7 +104,7 @@ TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m 
     tests/test_cuda_graphs.py  # -v: each test's verdict as it ends, kept if the limit cuts the rest
 # The rows are written as they come: a timeout keeps them.
 # shellcheck disable=SC2086  # the arguments are words
-step kernel_bench 120 "$PY" -m tinydiff.kernels.bench ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
+step kernel_bench 120 "$PY" -m tinydiff.bench.kernels ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
     --json "$LOGDIR/kernel_bench.json"
 DATA=""
 for file in ../shared/data/tinystories-sample.txt ./shared/data/tinystories-sample.txt; do
@@ -148,7 +148,7 @@ else
     echo "train          SKIPPED: no tinystories-sample.txt beside the repo" | tee -a "$LOGDIR/summary.txt"
 fi
 M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
-"$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.checkpoint import save_checkpoint
+"$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.io.checkpoint import save_checkpoint
 c = preset('13m'); torch.manual_seed(0); save_checkpoint(sys.argv[1], kind='ar', config=c, model=Transformer(c))" "$M13"
 step bench_13m_eager 45 "$PY" -m tinydiff.bench --ckpt "$M13" --methods ar --new-tokens 64 --prompts 2 \
     --json "$LOGDIR/bench_13m_eager.json"

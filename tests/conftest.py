@@ -65,14 +65,14 @@ def pytest_collection_modifyitems(config, items):
 # Checkpoints of untrained tiny models, as the entry points' tests (generate.py, the bench) load them.
 @pytest.fixture
 def ckpt(tmp_path, tiny_model, tiny_config):
-    from tinydiff.checkpoint import save_checkpoint
+    from tinydiff.io.checkpoint import save_checkpoint
     save_checkpoint(tmp_path / "ckpt.pt", kind="ar", config=tiny_config, model=tiny_model)
     return tmp_path / "ckpt.pt"
 
 
 @pytest.fixture
 def mdlm_ckpt(tmp_path, tiny_config):
-    from tinydiff.checkpoint import save_checkpoint
+    from tinydiff.io.checkpoint import save_checkpoint
     from tinydiff.model import Transformer
     config = type(tiny_config)(**{**tiny_config.__dict__, "causal": False})
     torch.manual_seed(1)

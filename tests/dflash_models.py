@@ -5,7 +5,7 @@ every round recorded. Not a test file: test_dflash.py and test_dflash_decode.py 
 import pytest
 from stats_helpers import float64, random_drafter, random_model, recorded_run
 
-from tinydiff.dflash_decode import dflash_generate
+from tinydiff.dflash import dflash_generate
 from tinydiff.model import ModelConfig
 
 # Targets of another shape than `models`' target: another vocabulary, width, depth or context.

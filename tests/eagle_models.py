@@ -6,7 +6,7 @@ import pytest
 import torch
 from stats_helpers import float64, random_model
 
-from tinydiff.eagle import EagleConfig, EagleHead
+from tinydiff.eagle3 import EagleConfig, EagleHead
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import MASK

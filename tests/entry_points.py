@@ -7,7 +7,7 @@ import subprocess
 
 import torch
 
-from tinydiff.cli import run_main
+from tinydiff.io.cli import run_main
 
 
 def run_in_process(main, *args) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """What the hostile-input tests share: run an entry point's main(argv) in-process the way its
-`__main__` does (tinydiff.cli.run_main), and the checks every refused case must pass: a non-zero
+`__main__` does (tinydiff.io.cli.run_main), and the checks every refused case must pass: a non-zero
 exit status, exactly one line on stderr that starts with `error:`, no traceback, and nothing
 written or changed under the watched folders. Also the tampered checkpoints every loader meets."""
 import math
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from tinydiff.checkpoint import save_checkpoint
-from tinydiff.cli import run_main
+from tinydiff.io.checkpoint import save_checkpoint
+from tinydiff.io.cli import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # generate.py sits at the root, beside train.py

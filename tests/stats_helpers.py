@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from tinydiff.checks import UserError
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
-from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer, rope_table
 from tinydiff.sampling import warp
 from tinydiff.tokenizer import EOT, MASK

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tinydiff.ar import ar_generate, ar_loss
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.tokenizer import EOT, MASK
 
 

@@ -1,4 +1,4 @@
-"""Spec: block diffusion's loss and bound (tinydiff/block_diffusion.py).
+"""Spec: block diffusion's loss and bound (tinydiff/diffusion.py).
 
 The one-forward form over [clean; noisy] must give, position for position, what the sampler's
 block-causal forwards give (a clean prefix, then the noisy block); with one block it is MDLM's loss
@@ -11,14 +11,22 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from stats_helpers import assert_same
 
-from tinydiff.block_diffusion import (block_diffusion_elbo, block_diffusion_loss, block_masked_ce, block_noise,
-                                      clean_and_noisy_mask, diffusion_elbo, diffusion_loss)
-from tinydiff.diffusion import EPS, elbo, mdlm_loss
+from tinydiff.checks import UserError
+from tinydiff.diffusion import (
+    EPS,
+    block_diffusion_elbo,
+    block_diffusion_loss,
+    block_masked_ce,
+    block_noise,
+    clean_and_noisy_mask,
+    diffusion_elbo,
+    diffusion_loss,
+    elbo,
+    mdlm_loss,
+)
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
-from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampler import block_causal_mask
 from tinydiff.tokenizer import MASK

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tinydiff import data
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.tokenizer import EOT, Tokenizer
 
 SAMPLE = Path(__file__).parents[1].parent / "shared/data/tinystories-sample.txt"

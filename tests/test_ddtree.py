@@ -12,21 +12,32 @@ import itertools
 
 import pytest
 import torch
-from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint, assert_same,
-                           assert_refuses_what_block_drafting_refuses,
-                           check_block_counts, exact_joint, float64, random_drafter, random_model, recorded_run,
-                           sample_counts)
-from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from stats_helpers import (
+    DFLASH_DIST_CONFIG,
+    NEW,
+    PROMPT,
+    assert_caches_equal,
+    assert_follows_the_joint,
+    assert_refuses_what_block_drafting_refuses,
+    assert_same,
+    check_block_counts,
+    exact_joint,
+    float64,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
+    random_drafter,
+    random_model,
+    recorded_run,
+    sample_counts,
+)
 from table_models import Oracle, TreeOracle, TreeTableTarget
 from tree_paths import children, prefix_of
 
 from tinydiff.ar import ar_generate
+from tinydiff.checks import UserError
 from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate
-from tinydiff.dflash_decode import dflash_generate
-from tinydiff.errors import UserError
+from tinydiff.dflash import dflash_generate
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
-
 
 # ---------------------------------------------------------------- the verify forward and the cache
 

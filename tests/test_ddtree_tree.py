@@ -11,9 +11,9 @@ import pytest
 import torch
 from tree_paths import children, prefix_of
 
+from tinydiff.checks import UserError
 from tinydiff.ddtree import build_markov_tree, build_tree, compile_tree, follow_tree
-from tinydiff.errors import UserError
-from tinydiff.markov_head import MarkovHead
+from tinydiff.extras.markov_head import MarkovHead
 from tinydiff.tokenizer import MASK
 
 

@@ -12,13 +12,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_models import MISMATCHED_TARGETS, models, models64, run  # noqa: F401 (fixtures)
-from stats_helpers import EXACT, assert_same, random_drafter, random_model
-from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from stats_helpers import (
+    EXACT,
+    assert_same,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
+    random_drafter,
+    random_model,
+)
 
-from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, default_decay, dflash_loss, draft_block,
-                             drafter_from, feature_layers, packed_logits, sample_anchors, training_mask)
-from tinydiff.dflash_decode import dflash_generate
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
+from tinydiff.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    block_input,
+    default_decay,
+    dflash_generate,
+    dflash_loss,
+    draft_block,
+    feature_layers,
+    packed_logits,
+    sample_anchors,
+    training_mask,
+)
+from tinydiff.io.checkpoint import drafter_from
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
 

@@ -13,14 +13,25 @@ import itertools
 import pytest
 import torch
 from dflash_models import MISMATCHED_TARGETS, models, models64, run  # noqa: F401 (fixtures)
-from stats_helpers import (DFLASH_DIST_CONFIG, NEW, PROMPT, assert_caches_equal, assert_follows_the_joint,
-                           assert_refuses_what_block_drafting_refuses, check_block_counts, exact_joint, random_drafter, random_model, sample_counts)
-from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from stats_helpers import (
+    DFLASH_DIST_CONFIG,
+    NEW,
+    PROMPT,
+    assert_caches_equal,
+    assert_follows_the_joint,
+    assert_refuses_what_block_drafting_refuses,
+    check_block_counts,
+    exact_joint,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
+    random_drafter,
+    random_model,
+    sample_counts,
+)
 from table_models import Oracle, TableTarget
 
 from tinydiff.ar import ar_generate
-from tinydiff.dflash_decode import dflash_generate, greedy_match
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
+from tinydiff.dflash import dflash_generate, greedy_match
 from tinydiff.tokenizer import EOT, MASK
 
 

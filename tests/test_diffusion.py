@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tinydiff.checks import UserError
 from tinydiff.diffusion import EPS, add_noise, elbo, masked_token_ce, mdlm_loss, noise, sample_t
-from tinydiff.errors import UserError
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
 

@@ -6,10 +6,24 @@ import pytest
 import torch
 from stats_helpers import assert_same
 
-from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, balance_loss, block_mass, block_routing,
-                           mdlm_moe_loss, moe_config, moe_layers, moe_stats, param_counts,
-                           reset_stats, route, set_routing, switch_balance)
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
+from tinydiff.dmoe import (
+    MoEConfig,
+    MoEFeedForward,
+    MoETransformer,
+    balance_loss,
+    block_mass,
+    block_routing,
+    mdlm_moe_loss,
+    moe_config,
+    moe_layers,
+    moe_stats,
+    param_counts,
+    reset_stats,
+    route,
+    set_routing,
+    switch_balance,
+)
 from tinydiff.model import FeedForward, ModelConfig, Transformer, preset
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import MASK

@@ -1,5 +1,5 @@
-"""Spec: FP4 weights (tinydiff/fp4.py), FP4 experts (tinydiff/fp4_experts.py) and
-`python -m tinydiff.quantize`. MXFP4 is checked three ways: exhaustively where the space is small
+"""Spec: FP4 weights (tinydiff/fp4.py), FP4 experts (tinydiff/fp4.py) and
+`python -m tinydiff.tools.quantize`. MXFP4 is checked three ways: exhaustively where the space is small
 (every E2M1 value at every normal scale, every byte, every E8M0 code), against a brute-force
 oracle of OCP's rule (the scale by search over powers of two, each element by distance to all 16
 grid values) on adversarial blocks, and against torchao, the library implementation people use,
@@ -11,15 +11,15 @@ import random
 
 import pytest
 import torch
-
 from entry_points import last_line, run_in_process
-from tinydiff import fp4, quantize
-from tinydiff.checkpoint import load_checkpoint, save_checkpoint
+
+from tinydiff import fp4
+from tinydiff.checks import UserError
 from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers, moe_stats, reset_stats, set_routing
-from tinydiff.errors import UserError
-from tinydiff.fp4_experts import QuantizedMoEFeedForward, dequantized_copy, quantize_experts
-from tinydiff.kinds import load_model
+from tinydiff.fp4 import QuantizedMoEFeedForward, dequantized_copy, quantize_experts
+from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
+from tinydiff.tools import quantize
 
 GRID = fp4.E2M1 + tuple(-v for v in fp4.E2M1)  # the value of each code 0..15
 
@@ -250,7 +250,7 @@ def test_bad_models_are_refused_before_any_work():
         quantize_experts(model)
 
 
-# --- python -m tinydiff.quantize, and loading what it writes -------------------------------------
+# --- python -m tinydiff.tools.quantize, and loading what it writes -------------------------------------
 
 def run(*args):
     res = run_in_process(quantize.main, *args)
@@ -283,7 +283,7 @@ def test_the_cli_writes_a_checkpoint_that_loads_as_a_quantized_model(moe_ckpt, t
 
 def test_generate_and_eval_take_an_fp4_checkpoint(moe_ckpt, tmp_path, story_file):
     import generate
-    from tinydiff import eval as pinned
+    from tinydiff.tools import eval as pinned
     assert run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")[0] == 0
     res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once", "--gen-length", 8,
                          "--steps", 4, "--block-length", 8, "--json", "--routing", "block")

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from entry_points import run_in_process
 
 import generate
-from tinydiff.checkpoint import save_checkpoint
-from tinydiff.errors import UserError
+from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.model import Transformer
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
-from entry_points import run_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +135,7 @@ def test_dflash_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
 
 
 def test_eagle3_chain_and_tree_equal_ar_at_temperature_zero(ckpt, tmp_path, tiny_model):
-    from tinydiff.eagle import EagleConfig, EagleHead
+    from tinydiff.eagle3 import EagleConfig, EagleHead
     torch.manual_seed(4)
     head = EagleHead(EagleConfig.for_target(tiny_model.config), tiny_model)
     save_checkpoint(tmp_path / "head.pt", kind="eagle3", config=head.config, model=head)

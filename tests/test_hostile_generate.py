@@ -11,7 +11,7 @@ import torch
 from hostile import NON_FINITE, ROOT, refused, tampered_checkpoints
 
 import generate
-from tinydiff.checkpoint import save_checkpoint
+from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.model import Transformer
 
 # flag -> bad values beside the non-finite ones (each was once accepted, or is its neighbour)

@@ -16,7 +16,9 @@ from stats_helpers import random_drafter, random_model
 from tinydiff import kernels
 from tinydiff.ddtree import build_tree, compile_tree, ddtree_generate
 from tinydiff.dmoe import MoEConfig, MoEFeedForward, MoETransformer
-from tinydiff.kernels import masked_attention as attn, moe_ffn as moe, sampler_step as step
+from tinydiff.kernels import masked_attention as attn
+from tinydiff.kernels import moe_ffn as moe
+from tinydiff.kernels import sampler_step as step
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import block_causal_mask, generate, generate_cached
 

@@ -21,10 +21,11 @@ from kernel_mode import DEVICE, INTERPRET, triton_mode  # noqa: F401 (first: set
 from tinydiff import kernels
 from tinydiff.ddtree import build_tree, compile_tree
 from tinydiff.dmoe import MoEConfig, MoEFeedForward, block_routing
-from tinydiff.kernels import masked_attention as attn, moe_ffn as moe, sampler_step as step
+from tinydiff.kernels import masked_attention as attn
+from tinydiff.kernels import moe_ffn as moe
+from tinydiff.kernels import sampler_step as step
 from tinydiff.sampler import block_causal_mask, propose
 from tinydiff.tokenizer import MASK, VOCAB_SIZE
-
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}  # absolute, on outputs of size ~1
 DTYPES = [torch.float32, torch.float16]
@@ -330,7 +331,7 @@ print("ok")
 def test_kernel_bench_checks_every_path_against_the_reference(tmp_path):
     # On CPU only the references are timed (Triton's timings need a GPU); on a GPU every path is, and
     # each must give the reference's answer: float32 to 1e-4, TF32 products to TF32's 10-bit accuracy.
-    from tinydiff.kernels import bench
+    from tinydiff.bench import kernels as bench
     x = torch.randn(4, 8, dtype=torch.float32)
     assert bench.agrees(x + 1e-3, x, tf32=True) and not bench.agrees(x + 1e-3, x, tf32=False)
     rows_file = tmp_path / "rows.json"

@@ -3,10 +3,13 @@ KV-cached decoding, crop and keep, hidden-state taps, parameter counts of the pr
 import pytest
 import torch
 import torch.nn.functional as F
-from stats_helpers import assert_same, float64
-from stats_helpers import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from stats_helpers import (
+    assert_same,
+    float64,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
+)
 
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.model import PRESETS, Transformer, preset
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from stats_helpers import assert_follows_the_joint, random_model
 
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampler import commit, commit_schedule, generate, generate_cached, propose
 from tinydiff.tokenizer import MASK

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.sampling import sample, warp
 
 

@@ -12,14 +12,27 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DIST_CONFIG, NEW, PROMPT, V, assert_acceptance, assert_follows_the_joint, assert_same,
-                           exact_joint, one_hot, perturbed, random_model, recorder)
-from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
+from stats_helpers import (  # noqa: F401 (fixtures; one_thread is autouse)
+    DIST_CONFIG,
+    NEW,
+    PROMPT,
+    V,
+    assert_acceptance,
+    assert_follows_the_joint,
+    assert_same,
+    exact_joint,
+    greedy_models,
+    one_hot,
+    one_thread,
+    perturbed,
+    random_model,
+    recorder,
+)
 from table_models import TableModel, TokenCache
 
 from tinydiff.ar import ar_generate
-from tinydiff.errors import UserError
-from tinydiff.frequent_vocab import FrequentVocabDraft, subset_draft_round
+from tinydiff.checks import UserError
+from tinydiff.fast.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampling import residual, warp
 from tinydiff.speculative import draft_round, expected_tokens_per_round, leviathan_speedup, speculative_generate

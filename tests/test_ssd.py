@@ -12,17 +12,28 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
-from stats_helpers import (DELTA, Z_ALPHA, assert_acceptance, assert_follows_the_joint, chi2_quantile, exact_joint,
-                           noncentral_chi2_sf, one_hot, perturbed, random_model, recorder)
-from stats_helpers import greedy_models, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
+from stats_helpers import (  # noqa: F401 (fixtures; one_thread is autouse)
+    DELTA,
+    Z_ALPHA,
+    assert_acceptance,
+    assert_follows_the_joint,
+    chi2_quantile,
+    exact_joint,
+    greedy_models,
+    noncentral_chi2_sf,
+    one_hot,
+    one_thread,
+    perturbed,
+    random_model,
+    recorder,
+)
 from table_models import TableModel
 
 from tinydiff.ar import ar_generate
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.model import ModelConfig
-from tinydiff.sampling import warp
+from tinydiff.sampling import sample, warp
 from tinydiff.speculative import draft_round
-from tinydiff.sampling import sample
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 COSTS = (0.25, 1.0)  # (draft, target) seconds per forward for the modelled times: no clock in these tests

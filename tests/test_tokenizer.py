@@ -1,8 +1,8 @@
 """Spec: GPT-2 BPE + MASK. Round trips, MASK never from user text, clear error when offline."""
 import pytest
-
 from conftest import SHARED, STORIES
-from tinydiff.errors import UserError
+
+from tinydiff.checks import UserError
 from tinydiff.tokenizer import EOT, MASK, MASK_TEXT, VOCAB_SIZE, Tokenizer
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinydiff import trainer as train
-from tinydiff.checkpoint import load_checkpoint
+from tinydiff.checks import UserError
 from tinydiff.data import prepare_tokens
-from tinydiff.errors import UserError
+from tinydiff.io.checkpoint import load_checkpoint
+from tinydiff.train import trainer as train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,7 +215,7 @@ def test_an_ar_checkpoint_starts_a_shifted_diffusion_run(story_file, tmp_path):
 
 def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, tmp_path, tiny_model, tiny_config,
                                                                     monkeypatch):
-    from tinydiff.checkpoint import save_checkpoint
+    from tinydiff.io.checkpoint import save_checkpoint
     save_checkpoint(tmp_path / "target.pt", kind="ar", config=tiny_config, model=tiny_model)
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
     common = ["--model", "dflash", "--target", str(tmp_path / "target.pt"), "--block-size", "4", "--regenerate", "3",
@@ -300,7 +300,7 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     import numpy as np
     stories = np.load(tmp_path / "full" / "trajectories.npy")
     assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 2
-    from tinydiff.kinds import load_model
+    from tinydiff.io.checkpoint import load_model
     from tinydiff.sampler import generate_cached
     tokens, steps = stories[0][:, stories[0][1] != -2]  # the teacher wrote greedily, as asked
     prompt = tokens[steps == -1].tolist()

@@ -1,4 +1,4 @@
 """tinydiff: a small, tested reference for masked diffusion LMs and fast-inference methods."""
-from tinydiff.cpu_memory import keep_freed_memory
+from tinydiff.io.cpu_memory import keep_freed_memory
 
-keep_freed_memory()  # why: tinydiff/cpu_memory.py
+keep_freed_memory()  # why: tinydiff/io/cpu_memory.py

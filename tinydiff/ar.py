@@ -2,18 +2,52 @@
 
 Decoding follows gpt-fast's generate.py: one prefill forward over the prompt, then one forward
 per new token that reads the KV cache. The MASK id belongs to the diffusion models' vocabulary
-and is never sampled here. Leaves out: batched prompts of different lengths, beam search.
+and is never sampled here. Every decoder in tinydiff returns (new ids, result): `Decoded` is what
+all of them count (tokens, forwards of the model sampled, seconds); speculative.py's `Speculated`
+adds what a draft -> verify loop counts. `row()` is a result as one flat dict (JSON, the stats line).
+Leaves out: batched prompts of different lengths, beam search.
 """
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.model import wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import EOT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decoded:
+    new_tokens: int
+    forwards: int  # forwards of the model whose distribution is sampled (a speculative loop's target)
+    seconds: float  # wall time, after waiting for the GPU
+    DERIVED = ("tokens_per_s", "tokens_per_forward")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forwards
+
+    def row(self) -> dict:
+        return {**{name: getattr(self, name) for name in self.DERIVED}, **asdict(self)}  # the headline first
+
+
+def split_time(device) -> float:
+    """time.perf_counter() after waiting for the GPU, so the work queued before is billed before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def elapsed(start: float, device) -> float:
+    """Seconds since `start`, after waiting for the GPU, so they are the wall time of real work."""
+    return split_time(device) - start
 
 
 def ar_loss(model, windows, generator=None):

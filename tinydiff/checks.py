@@ -1,5 +1,10 @@
-"""The validators every entry point shares: a number that a user or a checkpoint supplies is checked
-where it enters (argparse, a config's construction, a checkpoint's load), before any work.
+"""Bad input, refused where it enters: the one exception type for user mistakes, and the validators
+every entry point shares.
+
+`UserError` is raised when input is wrong (a missing file, a prompt that does not fit, a number out of
+range). Entry points catch it and print its message as one line, without a traceback, so the message
+itself must say what to do instead. A number that a user or a checkpoint supplies is checked where it
+enters (argparse, a config's construction, a checkpoint's load), before any work.
 
 A `Rule` says what a number may be: an integer or a finite float, a closed or open range, and the
 odd values outside the range that are meanings of their own (temperature 0 is greedy). It is an
@@ -13,10 +18,18 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from tinydiff.errors import UserError
-
 BIG = 10**9            # no count here means anything past this: a larger one is a typo, and costs memory
 SEED_MAX = 2**32 - 1   # seeds are combined with step numbers into torch's 64-bit seeds
+
+
+class UserError(ValueError):
+    """A mistake the user can fix; the message says how."""
+
+
+def brief_error(error: Exception, limit: int = 160) -> str:
+    """An exception's message squeezed onto one short line, cut at a word."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _show(x) -> str:

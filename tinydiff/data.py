@@ -12,6 +12,7 @@ stories, other datasets.
 import hashlib
 import json
 import os
+import re
 from array import array
 from pathlib import Path
 
@@ -19,8 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tinydiff.errors import UserError
-from tinydiff.files import remove_stale_temps, temp_beside
+from tinydiff.checks import UserError
 from tinydiff.tokenizer import EOT, Tokenizer
 
 SEPARATOR = "<|endoftext|>"   # a line exactly this (bar its line ending) ends a story
@@ -280,3 +280,36 @@ def _hf_chunks(rows, bar):
         texts = rows[i:i + CHUNK]["text"]
         yield [s for s in (t.strip() for t in texts) if s]
         bar.update(len(texts))
+
+
+TEMP = re.compile(r"^\..+\.tmp(\d+)$")  # .NAME.tmpPID
+
+def temp_beside(path: Path) -> Path:
+    """The temp file a write of `path` goes through (same folder: os.replace is atomic there)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+def remove_stale_temps(folder, owned: bool = False) -> list[Path]:
+    """Delete the temp files killed writers left in `folder`: those whose PID is not alive, or all of
+    them when this process owns the folder (it holds the run lock, so no one else writes there)."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        match = TEMP.match(path.name)
+        if match and path.is_file() and (owned or (int(match[1]) != os.getpid() and not _alive(int(match[1])))):
+            try:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+            except OSError:  # a read-only folder (a shared data set): not ours to clean
+                pass
+    return removed

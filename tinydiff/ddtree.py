@@ -1,7 +1,7 @@
 """DDTree: a draft tree from one DFlash pass, verified in one target forward with an ancestor-only mask.
 
 Paper: "Accelerating Speculative Decoding with Block Diffusion Draft Trees" (Ringel and Romano, 2026,
-arXiv 2604.12989). DFlash (tinydiff/dflash_decode.py) verifies one drafted trajectory per round: the
+arXiv 2604.12989). DFlash (tinydiff/dflash.py) verifies one drafted trajectory per round: the
 drafter's argmax at every depth. But its one forward gives a whole distribution per depth, so DDTree
 spends a node budget on the continuations the drafter finds likeliest and verifies them all at once.
 Published: 8.22x over autoregressive decoding vs DFlash's 6.09x (Qwen3-Coder-30B-A3B, HumanEval,
@@ -38,13 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tinydiff.dflash import draft_block
-from tinydiff.dflash_decode import start_decoding
-from tinydiff.errors import UserError
+from tinydiff.ar import split_time
+from tinydiff.checks import UserError
+from tinydiff.dflash import draft_block, start_decoding
 from tinydiff.model import wide
 from tinydiff.sampling import next_token_probs, sample
-from tinydiff.speculative import cut_at_stop
-from tinydiff.tally import Tally, split_time
+from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -93,7 +92,7 @@ def build_tree(draft_logits, budget: int) -> Tree:
 
 @torch.no_grad()
 def build_markov_tree(draft_logits, head, root_token: int, budget: int) -> Tree:
-    """build_tree for a drafter with DSpark's Markov head (tinydiff/markov_head.py): a node's children
+    """build_tree for a drafter with DSpark's Markov head (tinydiff/extras/markov_head.py): a node's children
     are read from the next depth's logits plus the bias of the node's own token (the root's: root_token,
     the newest committed one), as the head drafts a chain left to right. A prefix scores the sum of
     its tokens' log-probs, each given the token before it. One head product (r x V) per node that

@@ -1,4 +1,4 @@
-"""dMoE: a mixture-of-experts LM (diffusion, or causal: tinydiff/ar_moe.py), token and block routing.
+"""dMoE: a mixture-of-experts LM (diffusion, or causal: tinydiff/extras/ar_moe.py), token and block routing.
 
 Token routing (the standard top-k MoE: Shazeer et al. 2017, Switch Transformer, Mixtral): a
 router `Linear(D -> E)` scores every token, the token goes to its top-k experts, and their
@@ -36,8 +36,8 @@ canvases (tinydiff/sampler.py) end on a block boundary, so every routing block i
 block, cached or not; what is left of the prompt forms the first, shorter block. A causal model
 (ar-moe) routes by token only: its KV cache sees each token once, never the block around it.
 
-FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4_experts.py's layers override
-`routed` and hold the experts packed; QAT (tinydiff/qat.py) sets `weight_view`.
+FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4.py's layers override
+`routed` and hold the experts packed; QAT (tinydiff/extras/qat.py) sets `weight_view`.
 Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
 balancing, a grouped-GEMM backward pass.
 """
@@ -50,10 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff import kernels
-from tinydiff.block_diffusion import diffusion_loss
-from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, check_fields
-from tinydiff.errors import UserError
-from tinydiff.fp4 import check_format
+from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, UserError, check_fields
+from tinydiff.diffusion import diffusion_loss
 from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, wide
 from tinydiff.tokenizer import MASK
 
@@ -61,6 +59,7 @@ ROUTINGS = ("token", "block")
 MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)
 CAUSAL_ROUTING = "block routing is for diffusion LMs (mdlm-moe); a causal MoE (ar-moe) routes by token"
 SCORES = ("softmax", "sigmoid")
+EXPERT_FORMATS = ("float", "mxfp4", "nvfp4")  # packed FP4 experts: tinydiff/fp4.py
 
 
 @dataclass
@@ -88,9 +87,8 @@ class MoEConfig(ModelConfig):
         check_routing(self.routing, self.route_guard, self.moe_top_k, self.n_experts)
         if self.score not in SCORES:
             raise UserError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if self.expert_format != "float":  # the blocks run along d_model (gate, up) and expert_d_ff (down)
-            check_format(self.expert_format, self.expert_block,
-                         {"d_model": self.d_model, "expert_d_ff": self.expert_d_ff})
+        if self.expert_format not in EXPERT_FORMATS:  # a packed format's blocks are checked by fp4.moe_model
+            raise UserError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}")
 
 
 EXPERTS = Rule(integer=True, lo=1, hi=4096)
@@ -205,7 +203,7 @@ class MoEFeedForward(nn.Module):
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
         self.sync_timing = False  # synchronize CUDA around the layer so its time is the GPU's
         self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
-        self.weight_view = None  # w -> what an expert computes with (tinydiff/qat.py: fake-quantized); None: w
+        self.weight_view = None  # w -> what an expert computes with (tinydiff/extras/qat.py: fake-quantized); None: w
         self.reset_stats()
 
     def reset_stats(self):
@@ -237,7 +235,7 @@ class MoEFeedForward(nn.Module):
 
     def routed(self, flat, mix, chosen):
         """The routed experts' output (N, D) for tokens flat (N, D), mixing weights and expert ids (N, k).
-        (tinydiff/fp4_experts.py's QuantizedMoEFeedForward replaces this with its packed experts.)"""
+        (tinydiff/fp4.py's QuantizedMoEFeedForward replaces this with its packed experts.)"""
         if kernels.for_inference(flat) and self.weight_view is None:  # one launch for all experts, not E
             from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
             return moe_ffn(flat, mix, chosen, *stacked_experts(self))
@@ -280,7 +278,7 @@ class MoETransformer(Transformer):
             raise UserError(f"MoETransformer needs a MoEConfig (see moe_config), got {type(config).__name__}")
         if config.expert_format != "float" and self.feed_forward is MoEFeedForward:
             raise UserError(f"this config's experts are packed {config.expert_format}: build the model with "
-                            "tinydiff.fp4_experts.moe_model(config), as load_model does")
+                            "tinydiff.fp4.moe_model(config), as load_model does")
         if config.causal and config.routing == "block":  # the model's attention: a layer's config need not know it
             raise UserError(CAUSAL_ROUTING)
         super().__init__(config)

@@ -22,8 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinydiff import kernels
-from tinydiff.checks import SIZE, Rule, check_fields
-from tinydiff.errors import UserError
+from tinydiff.checks import SIZE, Rule, UserError, check_fields
 from tinydiff.tokenizer import VOCAB_SIZE
 
 

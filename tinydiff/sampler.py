@@ -39,11 +39,10 @@ import time
 import torch
 
 from tinydiff import kernels
-from tinydiff.ar import check_prompt
+from tinydiff.ar import Decoded, check_prompt, elapsed
+from tinydiff.checks import UserError
 from tinydiff.diffusion import subs_logits
-from tinydiff.errors import UserError
 from tinydiff.sampling import check_warp_args
-from tinydiff.tally import Decoded, elapsed
 from tinydiff.tokenizer import MASK
 
 REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right")

@@ -22,14 +22,106 @@ draft never reads its own last draft x_K, so after a full acceptance its cache i
 Leaves out: batches, tree drafts (see ddtree.py), adapting K on the fly, a draft on another device.
 """
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from tinydiff.ar import check_prompt
-from tinydiff.errors import UserError
+from tinydiff.ar import Decoded, check_prompt, elapsed, split_time
+from tinydiff.checks import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, residual, sample
-from tinydiff.tally import Tally, split_time
 from tinydiff.tokenizer import EOT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speculated(Decoded):
+    accepted: list  # accepted[n]: rounds that accepted n drafts, n = 0..k (forwards = rounds + a prefill)
+    proposed: int  # drafts (tree nodes) proposed over all rounds
+    rejected: int | None  # rounds that rejected a draft (at most one each); None for trees
+    draft_forwards: int
+    slot_judged: list  # slot_judged[j]: rounds that offered slot j+1 (a draft at depth j+1) with slots 1..j kept
+    slot_kept: list  # slot_kept[j]: those of them that kept it
+    draft_seconds: float | None = None  # the chain loops (speculative, DFlash, DDTree): time drafting, and verifying
+    verify_seconds: float | None = None
+    graph_seconds: float | None = None  # the fused loops (a round one compiled graph): its calls to read-back
+    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """New tokens per round (per verifying forward), the bonus/corrected token included: 1..k+1."""
+        return self.new_tokens / self.rounds
+
+    @property
+    def alpha(self) -> float | None:
+        """Leviathan's acceptance rate: the share of the drafts the target judged that it kept. Drafts
+        after a rejection are never judged; counting them would make alpha fall with k for the same
+        draft. None for trees (no single rate) and where nothing was judged."""
+        kept = sum(n * count for n, count in enumerate(self.accepted))
+        judged = kept + (self.rejected or 0)
+        return kept / judged if self.rejected is not None and judged else None
+
+    @property
+    def acceptance_by_slot(self) -> list:
+        """Slot k's acceptance given slots < k were accepted, k = 1..K (DSpark's per-position curve): for a
+        tree, the chance that the accepted path goes one deeper. None where no round judged the slot."""
+        return acceptance_by_slot(self.slot_kept, self.slot_judged)
+
+    @property
+    def nodes_per_round(self) -> float | None:
+        """A tree's proposed nodes per round (None for chains)."""
+        return self.proposed / self.rounds if self.rejected is None else None
+
+def acceptance_by_slot(kept: list, judged: list) -> list:
+    """kept / judged per slot, None where no round judged it (Speculated's, and the bench's sums)."""
+    return [k / n if n else None for k, n in zip(kept, judged)]
+
+@dataclass
+class Tally:
+    """What every draft/verify loop counts, one `add` per round. A loop that verifies trees passes
+    chain=False: a tree has no single acceptance rate. `start` is when the loop's clock started."""
+    k: int  # the most drafts a round can accept
+    chain: bool = True
+    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
+    proposed: int = 0
+    rejected: int = 0
+    draft_forwards: int = 0
+    hist: list = field(init=False)
+    judged: list = field(init=False)  # per slot, see Speculated.slot_judged / slot_kept
+    kept: list = field(init=False)
+    start: float = field(init=False)
+    draft_seconds: float | None = None  # summed by `clock` where a loop times its rounds' stages
+    verify_seconds: float | None = None
+
+    def __post_init__(self):
+        self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
+        self.judged, self.kept = [0] * self.k, [0] * self.k
+
+    def add(self, accepted: int, proposed: int, draft_forwards: int, depth: int | None = None):
+        """One round: `accepted` drafts kept of `proposed` drafts (tree nodes), the drafts `depth` deep
+        (a chain's depth is its length, the default; a tree passes its own)."""
+        depth = proposed if depth is None else depth
+        self.hist[accepted] += 1
+        self.proposed += proposed
+        self.rejected += self.chain and accepted < proposed
+        self.draft_forwards += draft_forwards
+        for j in range(min(accepted + 1, depth)):  # slot j+1 was judged: slots 1..j were kept
+            self.judged[j] += 1
+            self.kept[j] += j < accepted
+
+    def clock(self, round_start: float, drafted: float, verified: float):
+        """One round's stages, from split_time()s: drafting from round_start to drafted, verifying (the
+        target's forward and the acceptance rule) from drafted to verified. The rest is the loop's own."""
+        self.draft_seconds = (self.draft_seconds or 0.0) + drafted - round_start
+        self.verify_seconds = (self.verify_seconds or 0.0) + verified - drafted
+
+    def result(self, out, device, kind=Speculated, **more) -> Speculated:
+        return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
+                    accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
+                    draft_forwards=self.draft_forwards, slot_judged=list(self.judged), slot_kept=list(self.kept),
+                    draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, **more)
 
 
 def draft_round(draft, cache, seq, n_drafts, warp_args, generator=None):

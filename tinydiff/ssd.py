@@ -61,10 +61,9 @@ from functools import partial
 import torch
 
 from tinydiff.ar import check_prompt
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
-from tinydiff.speculative import check_models, cut_at_stop, draft_round, target_probs, verify
-from tinydiff.tally import SsdDecoded, Tally
+from tinydiff.speculative import Speculated, Tally, check_models, cut_at_stop, draft_round, target_probs, verify
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -243,6 +242,49 @@ def forward_seconds(model, seq, reps: int = 5) -> float:
         times.append(time.perf_counter() - begin)
         cache.crop(len(seq))
     return sorted(times)[reps // 2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SsdDecoded(Speculated):
+    """draft_forwards = jit_forwards + ahead_forwards (a batched run-ahead forward counts once)."""
+    hits: list  # speculation-cache lookups that hit, per accepted count (a lookup follows every round
+    lookups: list  # that a round with drafts follows)
+    jit_forwards: int  # draft forwards run just in time (a miss, or the first round)
+    ahead_forwards: int  # run-ahead forwards
+    branches: int  # speculations pre-drafted
+    seconds_jit: float
+    seconds_waiting: float  # the main thread waiting for the run-ahead after verification
+    draft_forward_seconds: float  # the per-forward costs the modelled times price
+    target_forward_seconds: float
+    modelled_seconds_ssd: float
+    threaded: bool
+    DERIVED = Speculated.DERIVED + ("hit_rate", "seconds_jit_avoided", "seconds_hidden", "modelled_seconds_sd",
+                                    "modelled_speedup")
+
+    @property
+    def hit_rate(self) -> float | None:
+        return sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None
+
+    @property
+    def seconds_jit_avoided(self) -> float:
+        """The drafts not drafted just in time (hits) times the measured seconds per such forward."""
+        per_forward = self.seconds_jit / self.jit_forwards if self.jit_forwards else self.draft_forward_seconds
+        return per_forward * (self.proposed - self.jit_forwards)
+
+    @property
+    def modelled_seconds_sd(self) -> float:
+        """Plain speculative decoding's time at the same forward costs: a target forward per round, a
+        draft forward per draft."""
+        return self.rounds * self.target_forward_seconds + self.proposed * self.draft_forward_seconds
+
+    @property
+    def seconds_hidden(self) -> float:
+        """Negative when the run-ahead outlasts verification."""
+        return self.seconds_jit_avoided - self.seconds_waiting
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        return self.modelled_seconds_sd / self.modelled_seconds_ssd if self.modelled_seconds_ssd else None
 
 
 @dataclass

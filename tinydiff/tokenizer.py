@@ -9,7 +9,7 @@ ordinary BPE pieces, never the special ids, unless the caller passes `allow_spec
 """
 import re
 
-from tinydiff.errors import UserError
+from tinydiff.checks import UserError
 
 EOT = 50256          # <|endoftext|>: separates stories, and starts every prompt
 MASK = 50257         # absorbing state of masked diffusion; never produced by `encode`

@@ -1,9 +1,9 @@
 """The quality-vs-parallelism curve: tokens per forward against sample quality, and d3LLM's AUP.
 
-For a diffusion LM and its distilled student (tinydiff/distill.py) the cached block sampler runs
+For a diffusion LM and its distilled student (tinydiff/extras/distill.py) the cached block sampler runs
 one token per step, then at several confidence thresholds (Fast-dLLM) and entropy bounds
 (EB-Sampler). Each point is N unconditional samples, judged as every quality number here is
-(tinydiff/judge.py: generative perplexity with a 95% bootstrap interval, distinct-2). Beside them
+(tinydiff/tools/judge.py: generative perplexity with a 95% bootstrap interval, distinct-2). Beside them
 on the same axes: AR decoding (one token per forward) and AR + speculative decoding, whose x is
 tau, the tokens per *target* forward (draft forwards are not counted), and whose samples follow
 the AR model's distribution exactly (lossless), so its quality differs from AR's by noise only.
@@ -23,11 +23,11 @@ import math
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.judge import sample_and_judge
+from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.self_speculative import self_speculative_generate
 from tinydiff.sampler import generate_cached
-from tinydiff.drafted_diffusion import ar_drafted_generate
-from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import speculative_generate
+from tinydiff.tools.judge import sample_and_judge
 
 
 def aup(points, y_max: float) -> float:

@@ -1,6 +1,6 @@
 """python -m tinydiff.bench.hf --target CKPT --draft CKPT: tinydiff against transformers on the same weights.
 
-Both models are exported (tinydiff/export.py's Llama layout) and loaded into `LlamaForCausalLM`;
+Both models are exported (tinydiff/tools/export.py's Llama layout) and loaded into `LlamaForCausalLM`;
 then each mode runs on the bench's fixed prompts, tinydiff and transformers alternating prompt by
 prompt, so drift in the machine's speed hits both alike:
   greedy     ar_generate at T 0            vs generate(do_sample=False)
@@ -19,11 +19,10 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.bench.measure import PROMPTS, device_name
-from tinydiff.checks import COUNT, Rule
-from tinydiff.cli import make_parser, run_main
-from tinydiff.errors import UserError
-from tinydiff.hf_format import write_folder
-from tinydiff.kinds import load_model
+from tinydiff.checks import COUNT, Rule, UserError
+from tinydiff.io.checkpoint import load_model
+from tinydiff.io.cli import make_parser, run_main
+from tinydiff.io.hf_format import write_folder
 from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
 

@@ -11,19 +11,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tinydiff.ar import elapsed, split_time
 from tinydiff.bench.methods import FR_ROWS, MEANS
-from tinydiff.checkpoint import load_checkpoint
-from tinydiff.compiled import compile_seconds
 from tinydiff.data import eval_windows, load_tokens, prepare_tokens
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, drafter_from
+from tinydiff.dflash import DFlashConfig, DFlashDrafter
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
-from tinydiff.eval import score
-from tinydiff.frequent_vocab import FrequentVocabDraft, frequent_ids
-from tinydiff.eagle import EagleConfig, EagleHead, head_from
-from tinydiff.kinds import AR_KINDS, load_model
+from tinydiff.eagle3 import EagleConfig, EagleHead
+from tinydiff.extras.regenerate import story_openings
+from tinydiff.fast.compiled import compile_seconds
+from tinydiff.fast.frequent_vocab import FrequentVocabDraft, frequent_ids
+from tinydiff.io.checkpoint import AR_KINDS, drafter_from, head_from, load_checkpoint, load_model
 from tinydiff.model import Transformer, preset
-from tinydiff.regenerate import story_openings
-from tinydiff.tally import acceptance_by_slot
+from tinydiff.speculative import acceptance_by_slot
+from tinydiff.tools.eval import score
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -214,3 +214,24 @@ def heldout_nll(models, args, tokenizer, wanted) -> dict:
                        tokenizer=tokenizer)  # one batch: the 16 windows share the noise draws
         out[name] = (scored["nll"], scored["bits_per_byte"])
     return out
+
+
+def per_call_us(fn, calls: int, device) -> float:
+    """Microseconds per call of fn over `calls` back-to-back calls (after 3 untimed ones), the GPU waited for
+    at both ends: on CUDA the host's time per call where it is slower than the device, else the device's."""
+    for _ in range(3):
+        fn()
+    start = split_time(device)
+    for _ in range(calls):
+        fn()
+    return 1e6 * elapsed(start, device) / calls
+
+def device_us(fn, calls: int) -> float:
+    """Microseconds of the device's own time per call of fn (CUDA events around `calls` calls)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * begin.elapsed_time(end) / calls

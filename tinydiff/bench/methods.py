@@ -15,20 +15,20 @@ import re
 import torch
 
 from tinydiff.ar import ar_generate
-from tinydiff.compiled import StaticModel, hot_steps, wrap
 from tinydiff.ddtree import ddtree_generate
-from tinydiff.ddtree_sampled import ddtree_sampled_generate
-from tinydiff.dflash_decode import dflash_generate
+from tinydiff.dflash import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
-from tinydiff.drafted_diffusion import ar_drafted_generate
-from tinydiff.eagle_decode import eagle_generate
-from tinydiff.frequent_vocab import subset_draft_round
-from tinydiff.fused_ddtree import FusedDDTree, fused_ddtree_generate
-from tinydiff.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
-from tinydiff.fused_steps import FusedSteps, multi_step_generate
+from tinydiff.eagle3 import eagle_generate
+from tinydiff.extras.ddtree_sampled import ddtree_sampled_generate
+from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.self_speculative import self_speculative_generate
+from tinydiff.fast.compiled import StaticModel, hot_steps, wrap
+from tinydiff.fast.frequent_vocab import subset_draft_round
+from tinydiff.fast.fused_ddtree import FusedDDTree, fused_ddtree_generate
+from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
+from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
+from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.sampler import generate, generate_cached
-from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.speculative import draft_round, speculative_generate
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
@@ -252,7 +252,7 @@ USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion
 
 
 def compiled_models(method: str, models: dict, args) -> dict | None:
-    """`models` wrapped for compiled static decoding (tinydiff/compiled.py) as `method` reads them, or
+    """`models` wrapped for compiled static decoding (tinydiff/fast/compiled.py) as `method` reads them, or
     None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
     samplers (no cache to make static), the self-speculative and ar-drafted ones (batched canvases) and dMoE (routing
     has no fixed shapes), an ar-moe target included."""

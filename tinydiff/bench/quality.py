@@ -1,18 +1,18 @@
-"""`python -m tinydiff.quality`: how good are the samples? Generative perplexity and distinct-2.
+"""`python -m tinydiff.bench.quality`: how good are the samples? Generative perplexity and distinct-2.
 
-    python -m tinydiff.quality --judge out/ar-13m/ckpt.pt --mdlm out/mdlm-13m/ckpt.pt --samples 64
-    python -m tinydiff.quality --judge J --mdlm TEACHER --student STUDENT --ar AR --draft DRAFT --curve \
+    python -m tinydiff.bench.quality --judge out/ar-13m/ckpt.pt --mdlm out/mdlm-13m/ckpt.pt --samples 64
+    python -m tinydiff.bench.quality --judge J --mdlm TEACHER --student STUDENT --ar AR --draft DRAFT --curve \
         --plot docs/plots/parallel_curve.png
 
 Each sampler writes `--samples` stories from the same start (EOT, then nothing: unconditional)
-with seeds 0..N-1, scored by tinydiff/judge.py (generative perplexity under the --judge AR model,
+with seeds 0..N-1, scored by tinydiff/tools/judge.py (generative perplexity under the --judge AR model,
 with a 95% bootstrap interval, and distinct-2). `--student` is a diffusion LM distilled for
 parallel decoding (train.py --distill); its samplers and the `diffusion-cached`/`-entropy` ones
 run the cached block sampler, the schedule distillation trains for.
 `--curve` (tinydiff/bench/curve.py) instead measures tokens per forward against quality for the
 diffusion LMs at one token per step, each --thresholds value and each --entropy-bounds value (and
 --ltr-bounds / --low-entropy-bounds: the same bound in another commit order; --self-spec-drafts:
-the left-to-right sampler made lossless-parallel, tinydiff/self_speculative.py), beside
+the left-to-right sampler made lossless-parallel, tinydiff/extras/self_speculative.py), beside
 AR decoding and, with --draft, AR + speculative decoding; then AUP per curve and, with --data,
 each setting's agreement with the teacher's greedy one-token-per-step text.
 """
@@ -21,20 +21,19 @@ import sys
 from importlib.util import find_spec
 
 from tinydiff.ar import ar_generate
-from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, number_list
-from tinydiff.cli import add_device, check_device, make_parser, run_main
 from tinydiff.bench.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
+from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, UserError, number_list
 from tinydiff.data import load_tokens, prepare_tokens
 from tinydiff.dmoe import ROUTINGS, routing_from_flags
-from tinydiff.errors import UserError
-from tinydiff.files import check_output
-from tinydiff.judge import sample_and_judge
-from tinydiff.kinds import AR_KINDS, DIFFUSION_KINDS, load_model
-from tinydiff.regenerate import story_openings
+from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.regenerate import story_openings
+from tinydiff.extras.self_speculative import self_speculative_generate
+from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
+from tinydiff.io.cli import add_device, check_device, make_parser, run_main
+from tinydiff.io.files import check_output
 from tinydiff.sampler import generate, generate_cached
-from tinydiff.drafted_diffusion import ar_drafted_generate
-from tinydiff.self_speculative import self_speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.tools.judge import sample_and_judge
 
 
 def cached(key: str, remasking="low_confidence", **rule):
@@ -68,7 +67,7 @@ SAMPLERS = {  # name -> (model key or keys, sampling function(model(s), prompt, 
 
 
 def parse_args(argv=None):
-    p = make_parser("python -m tinydiff.quality", "Sample quality of every sampler: generative perplexity and distinct-2.")
+    p = make_parser("python -m tinydiff.bench.quality", "Sample quality of every sampler: generative perplexity and distinct-2.")
     p.add_argument("--judge", required=True, help="AR checkpoint that scores the samples")
     p.add_argument("--mdlm", help="diffusion LM checkpoint, dense or MoE (its samplers are skipped without it)")
     p.add_argument("--student", help="diffusion LM distilled for parallel decoding (train.py --distill)")

@@ -33,19 +33,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tinydiff import progress, regenerate, trainer
-from tinydiff.bench.measure import (OPENING, device_name, git_commit, heldout_nll, heldout_openings, load_models,
-                                    measure)
+from tinydiff.bench.measure import OPENING, device_name, git_commit, heldout_nll, heldout_openings, load_models, measure
 from tinydiff.bench.methods import METHODS, USES, block_of
-from tinydiff.bench.temperatures import (measure_temperatures, plot_acceptance_by_slot, sampled_methods,
-                                         temperature_section)
-from tinydiff.checkpoint import load_checkpoint
-from tinydiff.errors import UserError
+from tinydiff.bench.temperatures import (
+    measure_temperatures,
+    plot_acceptance_by_slot,
+    sampled_methods,
+    temperature_section,
+)
+from tinydiff.checks import UserError
+from tinydiff.extras import regenerate
+from tinydiff.io import progress
+from tinydiff.io.checkpoint import load_checkpoint
 from tinydiff.model import PRESETS
-from tinydiff.run_config import SETTINGS
 from tinydiff.sampler import generate
 from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
+from tinydiff.train import trainer
+from tinydiff.train.run_config import SETTINGS
 
 START, END = "<!-- report:start -->", "<!-- report:end -->"
 
@@ -122,7 +127,7 @@ def steps_left(path: Path, argv: list[str]) -> int:
 
 
 def stand_in_bar(bar, stage: str):
-    """A stand-in for the library's tqdm bars (tinydiff.progress) while a model trains: their steps
+    """A stand-in for the library's tqdm bars (tinydiff.io.progress) while a model trains: their steps
     advance the report's one bar (one ETA for the whole run); their lines go to stdout, the stage's log."""
 
     class Inner:

@@ -31,7 +31,8 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the reference below still works, the kernel never runs
-    from tinydiff.kernels import no_triton as triton, no_triton as tl
+    from tinydiff.kernels import no_triton as tl
+    from tinydiff.kernels import no_triton as triton
 
 
 def broadcast_mask(mask, q, S: int):
@@ -96,7 +97,7 @@ def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int | Non
     """The kernel: q (B, H, T, d), k, v (B, H, S, d), mask as in `broadcast_mask` -> (B, H, T, d).
 
     block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 128 for
-    16-bit inputs and 64 for float32: the fastest tiles of `python -m tinydiff.kernels.bench
+    16-bit inputs and 64 for float32: the fastest tiles of `python -m tinydiff.bench.kernels
     --sweep` on an H200 (docs/LOG.md).
 
     precision: "ieee" (exact float32 products, the default) or "tf32" (faster float32 on a GPU).

@@ -32,7 +32,8 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the reference below still works, the kernel never runs
-    from tinydiff.kernels import no_triton as triton, no_triton as tl
+    from tinydiff.kernels import no_triton as tl
+    from tinydiff.kernels import no_triton as triton
 
 
 def check_inputs(x, weights, experts, gate_w, up_w, down_w):

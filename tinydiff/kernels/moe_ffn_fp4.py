@@ -31,7 +31,8 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the reference below still works, the kernel never runs
-    from tinydiff.kernels import no_triton as triton, no_triton as tl
+    from tinydiff.kernels import no_triton as tl
+    from tinydiff.kernels import no_triton as triton
 
 
 def check_packed(x, gate, up, down):
@@ -140,7 +141,7 @@ def moe_ffn_fp4_triton(x, weights, experts, gate, up, down, block_m: int = 32, b
     """The kernel; same arguments and result as `moe_ffn_fp4_reference`. Tiles (powers of 2 >= 16):
     block_m (token, slot) rows, block_n output columns, block_fh even (and as many odd) hidden
     units, block_kh bytes (twice as many inputs) of the reduction at a time. The defaults were the
-    fastest of `python -m tinydiff.kernels.bench --kernels moe-fp4 --sweep` on an H200."""
+    fastest of `python -m tinydiff.bench.kernels --kernels moe-fp4 --sweep` on an H200."""
     check_packed(x, gate, up, down)
     check_inputs(x, weights, experts, torch.empty(gate.shape, device="meta"), torch.empty(up.shape, device="meta"),
                  torch.empty(down.shape, device="meta"))

@@ -37,7 +37,8 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the reference below still works, the kernel never runs
-    from tinydiff.kernels import no_triton as triton, no_triton as tl
+    from tinydiff.kernels import no_triton as tl
+    from tinydiff.kernels import no_triton as triton
 
 
 def check_inputs(logits, temperature, uniforms):

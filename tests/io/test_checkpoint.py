@@ -1,0 +1,98 @@
+"""Spec: checkpoints round-trip, are written atomically, and every bad file is a clear error."""
+import pickle
+
+import pytest
+import torch
+
+from tinydiff.checks import UserError
+from tinydiff.io import checkpoint
+from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint
+from tinydiff.model import Transformer
+
+
+def test_round_trip(tmp_path, tiny_model, tiny_config):
+    opt = torch.optim.AdamW(tiny_model.parameters())
+    tiny_model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c.pt", kind="ar", config=tiny_config, model=tiny_model,
+                    optimizer=opt.state_dict(), step=7, rng={"cpu": torch.get_rng_state()}, args={"lr": 1e-3})
+    model, ckpt = load_model(tmp_path / "c.pt", kinds=("ar",))
+    assert model.config == tiny_config and ckpt["step"] == 7 and ckpt["args"] == {"lr": 1e-3}
+    for (n, a), (_, b) in zip(tiny_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    opt2 = torch.optim.AdamW(model.parameters())
+    opt2.load_state_dict(ckpt["optimizer"])
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert not model.training
+    assert list(tmp_path.iterdir()) == [tmp_path / "c.pt"]  # no temp files left
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, tiny_model, tiny_config, monkeypatch):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, kind="ar", config=tiny_config, model=tiny_model, step=1)
+    before = path.read_bytes()
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, kind="ar", config=tiny_config, model=tiny_model, step=2)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+
+
+def test_truncated_file(tmp_path, tiny_model, tiny_config):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, kind="ar", config=tiny_config, model=tiny_model)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        load_checkpoint(path)
+
+
+def test_text_file(tmp_path):
+    (tmp_path / "notes.pt").write_text("hello")
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        load_checkpoint(tmp_path / "notes.pt")
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_pickled_code_is_refused(tmp_path, capsys):
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"format": "tinydiff-checkpoint", "x": Payload()}, f)
+    with pytest.raises(UserError):
+        load_checkpoint(tmp_path / "evil.pt")
+    assert "unpickled code ran" not in capsys.readouterr().out
+
+
+def test_foreign_torch_file(tmp_path):
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "other.pt")
+    with pytest.raises(UserError, match="not a tinydiff checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path, tiny_model, tiny_config):
+    wrong = Transformer(type(tiny_config)(**{**tiny_config.__dict__, "d_ff": 96}))
+    save_checkpoint(tmp_path / "c.pt", kind="ar", config=tiny_config, model=wrong)
+    with pytest.raises(UserError, match="do not fit its config"):
+        load_model(tmp_path / "c.pt")
+
+
+def test_unknown_config_field_and_wrong_kind(tmp_path, tiny_model, tiny_config):
+    save_checkpoint(tmp_path / "c.pt", kind="mdlm", config=tiny_config, model=tiny_model)
+    with pytest.raises(UserError, match="holds a mdlm model; this needs ar"):
+        load_model(tmp_path / "c.pt", kinds=("ar",))
+    ckpt = load_checkpoint(tmp_path / "c.pt")
+    ckpt["config"]["n_experts"] = 8
+    torch.save(ckpt, tmp_path / "d.pt")
+    with pytest.raises(UserError, match="n_experts"):
+        load_model(tmp_path / "d.pt")

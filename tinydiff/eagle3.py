@@ -1,0 +1,479 @@
+"""EAGLE-3: a one-layer draft head that reads the target's features (model + training loss).
+
+Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"; reference code SafeAILab/EAGLE. The head is one Transformer block of its own
+around the target's *frozen* embedding and LM head. Its row t reads [embedding of token t+1, a
+feature of position t] at position t+1 and predicts token t+2 (the EAGLE convention: the feature
+says where the text was heading, the token says which way it went):
+
+  step 0    the feature is the target's: its residual streams after a low, a mid and a high block
+            (`eagle_layers`), concatenated (3D) and fused by `Linear(3D -> D)`;
+  step i>0  past the committed text there is no target feature yet, so the head feeds its own
+            output hidden state of step i-1 instead, with the token it drafted there;
+  input     `Linear(2D -> D)` on [RMSNorm(embedding), RMSNorm(feature)], then one causal block
+            (tinydiff.model's Block over explicit keys/values); committed rows' K/V sit in a KVCache;
+  output    the block's output is the next step's feature; through the head's RMSNorm (initialised
+            from the target's) it meets the target's tied head, read through `.detach()`.
+  training  "training-time test": the head is unrolled K steps on its own features, each step's
+            rows attending to exactly the keys the matching draft step sees at inference
+            (`unroll_mask`), step i's loss weighted 0.8^i. The loss is cross-entropy against the
+            target's own next-token distribution (distillation, as EAGLE-3's reference trains):
+            the head learns what the target will say, not what the corpus said. The tokens fed at
+            step i are the window's, where inference feeds its drafts: the same whenever the
+            earlier drafts were right, the only case in which step i can be accepted.
+
+The target is *held*, not registered (as in tinydiff/dflash.py): a head checkpoint (kind "eagle3")
+is the head's weights alone. Decoding is tinydiff/eagle3.py. Leaves out: the paper's reduced
+draft vocabulary (32k of the target's 128k ids), batched decoding, the data (train on text the
+target regenerated: train.py's `--regenerate`), the paper's scale (one Llama layer on an 8B target).
+
+EAGLE-3 decoding: the head drafts a chain or a tree with a few tiny forwards; the target verifies it in one.
+
+Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"; the dynamic tree is EAGLE-2's (Li et al. 2024). The head is tinydiff/eagle3.py.
+Each round, with committed sequence seq (S tokens): both caches hold rows for seq[:-1] (the head's
+row t: the target's feature of position t with token t+1), and `ready` holds the head's output at
+its newest row: logits for token S and the hidden state that goes with them.
+  eagle_chain: d_1 ~ q_1 = warp(ready logits); draft step j >= 2 reads [d_{j-1}, the hidden
+            of step j-1] and gives q_j: k-1 head forwards. The target reads [seq[-1], d_1..d_k] in
+            one forward; speculation's rule (speculative.verify: accept with min(1, p/q), resample a
+            rejection from the residual, else a bonus from p_{k+1}) keeps the output the target's
+            distribution at every temperature, and greedy decoding at T = 0.
+  eagle_tree (budget N): EAGLE-2's dynamic tree from ready: each depth, every frontier node
+            offers its top `branch` children (score = sum of the head's log-probs along the path), the best `branch`
+            of those form the next frontier and one head forward reads them all (a node sees the
+            committed rows, its ancestors and itself: ancestor-only mask); after k depths the best N
+            of all offered nodes are kept (a child never outscores its parent, so they form a tree).
+            Verified with DDTree's single forward: ddtree.compile_tree / follow_tree (the target
+            samples its own token at each node and steps into the child that carries it:
+            sample-and-match, lossless at every temperature) / compact_cache. The nodes are fixed
+            top guesses, not samples, so a node is accepted with probability p(node): EAGLE's
+            reference verifies its trees the same way (recursive rejection with q = 1 reduces to
+            this). At T > 0 a sampled chain, accepted with min(1, p/q), can therefore beat a tree.
+  commit:   the target cache is cropped (chain) or compacted (tree); the head never stores its draft
+            rows, and reads the committed rows with the verify forward's target features in one
+            forward, which also gives the next round's `ready`.
+Before the first round a target forward over prompt[:-1] fills both caches (skipped for a one-token
+prompt, whose first round has no feature to draft from and commits the target's one sample).
+
+Both modes are one loop (`decode`: prefill, then draft + verify, commit) around one round function
+(`chain_round`, `tree_round`); `eagle_generate` picks the mode from `budget`.
+
+Leaves out: batches, adapting k or N on the fly, SpecInfer-style trees of sampled drafts (which
+multi-draft rejection sampling could verify at T > 0 with a higher acceptance).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinydiff.ar import check_prompt
+from tinydiff.checks import DEPTH, MASS, UserError, check_fields
+from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
+from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table
+from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
+from tinydiff.speculative import Tally, cut_at_stop, verify
+from tinydiff.tokenizer import EOT, VOCAB_SIZE
+
+KIND = "eagle3"  # the checkpoint kind
+
+
+def eagle_layers(n_layer: int) -> list[int]:
+    """The low, mid and high target layers read (ids as in Transformer.forward(hidden_layers=)).
+
+    EAGLE-3's reference reads after blocks 2, L//2 and L-3 (L = 32: [2, 16, 29]); a target under 8
+    blocks has no room for that and reads after blocks 1, (L+1)//2 and L (L = 4: [1, 2, 4]).
+    """
+    if n_layer < 1:
+        raise UserError(f"the target needs >= 1 layer, got {n_layer}")
+    return [2, n_layer // 2, n_layer - 3] if n_layer >= 8 else [1, (n_layer + 1) // 2, n_layer]
+
+
+@dataclass
+class EagleConfig:
+    feature_layers: list | None = None  # the 3 target layers fused at step 0; None: eagle_layers(L)
+    steps_ahead: int = 3            # K: training unrolls the head K steps (1 = no training-time test)
+    step_decay: float = 0.8         # step i's loss weight is step_decay^i
+    # The target's dimensions: the head must be used with a target that matches them.
+    vocab_size: int = VOCAB_SIZE    # the target's vocabulary (its embedding and head are borrowed)
+    context: int = 256              # the target's context
+    d_model: int = 192              # the target's residual width (features and head share it)
+    target_layers: int = 8          # L, the target's blocks (feature ids refer to them)
+    n_head: int = 6                 # heads of the head's block (the target's, by default)
+    d_ff: int = 512                 # SwiGLU width of the head's block (the target's, by default)
+    rope_base: float = 10000.0      # RoPE base (the target's: positions must mean the same)
+    norm_eps: float = 1e-5          # RMSNorm epsilon (the target's)
+
+    def __post_init__(self):
+        check_fields(self, TARGET_RULES, "EAGLE-3 config")
+        if self.feature_layers is None:
+            self.feature_layers = eagle_layers(self.target_layers)
+        check_drafter_config(self, {"steps_ahead": DEPTH, "step_decay": MASS},
+                             "EAGLE-3 config")
+        if len(self.feature_layers) != 3:
+            raise UserError(f"feature_layers must be 3 ids (low, mid, high) in [0, {self.target_layers}], "
+                            f"got {self.feature_layers}")
+
+    @classmethod
+    def for_target(cls, target_config: ModelConfig, **overrides) -> "EagleConfig":
+        """A config that copies the target's dimensions."""
+        return cls(**{**target_dims(target_config), **overrides})
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, target: Transformer):
+        super().__init__()
+        check_target(config, target, "EAGLE head")
+        # Held, not registered: see DFlashDrafter (parameters, state_dict and .to() stay the head's).
+        object.__setattr__(self, "target", target)
+        self.config = config
+        D, H = config.d_model, config.n_head
+        if D % H or (D // H) % 2:
+            raise UserError(f"d_model {D} must split into {H} heads of even size")
+        self.layer_config = ModelConfig(vocab_size=config.vocab_size, context=config.context, n_layer=1,
+                                        n_head=H, d_model=D, d_ff=config.d_ff, rope_base=config.rope_base,
+                                        norm_eps=config.norm_eps)
+        self.fuse = nn.Linear(3 * D, D, bias=False)  # low, mid, high target layers: 3D -> D
+        # Target features and the head's own hidden states differ in scale: normalise both inputs.
+        self.embed_norm = RMSNorm(D, config.norm_eps)
+        self.feature_norm = RMSNorm(D, config.norm_eps)
+        self.proj = nn.Linear(2 * D, D, bias=False)  # [embedding, feature]: 2D -> D
+        self.block = ExtraKVBlock(self.layer_config)
+        self.norm = RMSNorm(D, config.norm_eps)
+        cos, sin = rope_table(config.context, D // H, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        init_around(self, target, n_layer=1)  # one layer
+
+    def new_cache(self, batch_size: int = 1) -> KVCache:
+        """The block's K/V of committed rows (row t: feature of position t, token t+1)."""
+        return KVCache(self.layer_config, batch_size, self.fuse.weight.device, self.fuse.weight.dtype)
+
+    def fused(self, hidden):
+        """Step 0's features (B, T, D) from the target's hidden states at the 3 feature layers (3 x (B, T, D))."""
+        return self.fuse(torch.cat(hidden, -1))  # (B, T, 3D) -> (B, T, D)
+
+    def forward(self, tokens, features, pos, past_k, past_v, mask=None):
+        """Rows reading tokens (B, T) with features (B, T, D) at positions pos (T,), after earlier
+        rows' keys/values past_k, past_v (B, H, S, D/H); mask: bool (T, S + T), True = may attend,
+        or None (everything visible). Returns logits (B, T, V), hidden (B, T, D) (the next step's
+        feature) and the rows' own k, v (B, H, T, D/H)."""
+        weight = self.target.embed.weight.detach()  # borrowed and frozen
+        x = torch.cat([self.embed_norm(F.embedding(tokens, weight)), self.feature_norm(features)], -1)  # (B, T, 2D)
+        cos, sin = (c[pos][None, None] for c in (self.rope_cos, self.rope_sin))  # (1, 1, T, D/H/2)
+        h, k, v = self.block(self.proj(x), cos, sin, past_k, past_v, mask)  # (B, T, D)
+        return F.linear(self.norm(h), weight), h, k, v  # (B, T, V): the target's tied head
+
+    def extend(self, cache: KVCache, tokens, hidden):
+        """Append committed rows: tokens (1, T) are the tokens after the positions whose target hidden
+        states (3 x (1, T, D)) are given. Returns the last row's logits (V,) and hidden state (D,):
+        the first draft of the next round and the feature that goes with it."""
+        n, T = cache.length, tokens.shape[1]
+        pos = torch.arange(n + 1, n + 1 + T, device=tokens.device)  # row t reads token t+1
+        mask = torch.ones(T, n + T, dtype=torch.bool, device=tokens.device).tril(n)  # causal after the cache
+        logits, h, k, v = self(tokens, self.fused(hidden), pos, cache.k[0][:, :, :n], cache.v[0][:, :, :n], mask)
+        cache.append(0, k, v)
+        cache.advance(T)
+        return logits[0, -1], h[0, -1]
+
+
+def unroll_mask(T: int, step: int, device=None):
+    """Who row r of unroll step i may attend to: (T, (i+1)T) bool over [step 0 | step 1 | ... | step i].
+
+    Row r at step i is draft step i+1 after the committed row c = r - i: as at inference it sees
+    step 0's rows 0..c (the committed rows, read with target features) and from each step m = 1..i
+    the single row c + m (the m-th draft row of its own chain; m = i is the row itself). Rows r < i
+    have no committed row; they see only themselves and feed no loss.
+    """
+    r, c = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None]
+    anchored = r >= step
+    return torch.cat([c <= r - step] + [(c == r - step + m) & (anchored | (m == step)) for m in range(1, step + 1)], 1)
+
+
+def unrolled_logits(head: EagleHead, windows, steps: int):
+    """The head unrolled `steps` steps on windows (Bw, T): its logits per step, steps x (Bw, T-1, V)
+    (row r predicts token r+2), and the target's logits (Bw, T, V), one frozen target forward."""
+    Bw, T = windows.shape
+    with torch.no_grad():
+        target_logits, hidden = head.target(windows, causal=True, hidden_layers=head.config.feature_layers)
+    tokens, pos = windows[:, 1:], torch.arange(1, T, device=windows.device)  # row r reads token r+1
+    features = head.fused([h[:, :-1] for h in hidden])  # (Bw, T-1, D): row r's is position r's
+    D, H = head.config.d_model, head.config.n_head
+    past_k = past_v = features.new_zeros(Bw, H, 0, D // H)
+    out = []
+    for i in range(steps):
+        logits, h, k, v = head(tokens, features, pos, past_k, past_v, unroll_mask(T - 1, i, windows.device))
+        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (Bw, H, (i+1)(T-1), D/H)
+        out.append(logits)
+        features = F.pad(h[:, :-1], (0, 0, 1, 0))  # row r's next feature: row r-1's hidden (row 0: none)
+    return out, target_logits
+
+
+def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature: float = 1.0):
+    """Training-time-test distillation loss on windows (Bw, T); returns (loss, stats).
+
+    loss = sum_i w_i CE_i / sum_i w_i, w_i = step_decay^i over steps i = 0..K-1 (K = steps, default
+    config.steps_ahead), CE_i the mean over rows r >= i of the cross-entropy of step i's row r
+    against the target's distribution for token r+2, both read at `temperature` (soft_labels.py: 1 by
+    default, --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
+    one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
+    (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
+    row: the greedy tau at k = K if the target's picks were the data).
+    """
+    K = head.config.steps_ahead if steps is None else steps
+    if not isinstance(K, int) or K < 1:
+        raise UserError(f"steps (unrolled draft steps) must be an integer >= 1, got {K!r}")
+    T = windows.shape[1]
+    if T < K + 1:
+        raise UserError(f"windows of {T} tokens are too short to unroll {K} steps; use windows of >= {K + 1}")
+    logits, target_logits = unrolled_logits(head, windows, K)
+    p = next_token_probs(target_logits[:, 1:], temperature)  # (Bw, T-1, V): the target's for token r+2
+    w = [head.config.step_decay ** i for i in range(K)]
+    loss = sum(wi * soft_ce(lg[:, i:] / temperature, p[:, i:]).mean() for i, (wi, lg) in enumerate(zip(w, logits)))
+    loss = loss / sum(w)
+    want = p.argmax(-1)  # (Bw, T-1)
+    correct = torch.stack([draftable(lg.detach()).argmax(-1) == want for lg in logits])  # (K, Bw, T-1)
+    runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain
+    last = correct[-1, :, K - 1:].float().mean()  # step K-1's rows that have a committed row
+    return loss, {"ce": loss.detach(), "acc": correct[0].float().mean(), "acc_last": last,
+                  "tau_proxy": 1 + runs.cumprod(0).sum(0).float().mean()}
+
+
+def check_head(target, head):
+    if not isinstance(head, EagleHead):
+        raise UserError(f"the head is a {type(head).__name__}; build one with tinydiff.eagle3.EagleHead "
+                        "or load an EAGLE-3 checkpoint (train.py --model eagle3)")
+    check_target(head.config, target, "EAGLE head")
+    if head.fuse.weight.device != target.embed.weight.device:
+        raise UserError(f"the head is on {head.fuse.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
+
+
+def committed_kv(cache):
+    return cache.k[0][:, :, :cache.length], cache.v[0][:, :, :cache.length]  # (1, H, S-1, D/H) each
+
+
+def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generator=None):
+    """Sample n_drafts tokens: d_1 from the ready logits, then one head forward per further draft.
+
+    Returns drafts (K,), their warped distributions q (K, V) and the head's raw logits (K, V).
+    The draft rows' keys/values are kept here, never in the cache.
+    """
+    if not n_drafts:  # the last round may have no room for drafts, the first none to draft from
+        V, device = head.config.vocab_size, head.fuse.weight.device
+        return (torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device),
+                torch.empty(0, V, device=device))
+    logits, hidden = ready  # (V,), (D,)
+    n, device = cache.length, hidden.device
+    past_k, past_v = committed_kv(cache)
+    drafts, qs, raw = [], [], []
+    for j in range(n_drafts):
+        if j:  # read d_j (at position n + j) with the hidden state of the step that drafted it
+            pos = torch.tensor([n + j], device=device)
+            lg, h, k, v = head(drafts[-1].view(1, 1), hidden.view(1, 1, -1), pos, past_k, past_v)
+            past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+            logits, hidden = lg[0, -1], h[0, -1]
+        q = next_token_probs(logits, *warp_args)  # (V,)
+        drafts.append(sample(q, generator))
+        qs.append(q)
+        raw.append(logits)
+    return torch.stack(drafts), torch.stack(qs), torch.stack(raw)
+
+
+def log_probs(logits):
+    """The head's log-probabilities (..., V) in float32 (float64 heads: float64), MASK excluded (never drafted)."""
+    return torch.log_softmax(draftable(logits), -1)
+
+
+def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: int):
+    """EAGLE-2's dynamic tree of up to `budget` nodes and `depth` levels from the ready logits.
+
+    Returns (ddtree.Tree, head forwards spent: depth - 1). Nodes are numbered best-first (score
+    descending, ties by creation), so a parent precedes its children, as ddtree's trees do.
+    """
+    n, device = cache.length, ready[1].device
+    past_k, past_v = committed_kv(cache)
+    tokens, parents, depths, scores = [-1], [-1], [0], [0.0]  # every node offered; 0 is the root
+    row_of, hidden_of = {}, {0: ready[1]}  # node -> its row among the tree rows read, its hidden state
+    frontier, logits = [0], ready[0][None]  # (F, V)
+    forwards = 0
+    for d in range(1, depth + 1):
+        top = torch.topk(log_probs(logits), min(branch, logits.shape[-1]), -1)  # (F, branch): distinct children
+        offered = []
+        for node, values, ids in zip(frontier, top.values.tolist(), top.indices.tolist()):
+            for value, token in zip(values, ids):
+                if value > float("-inf"):  # probability 0 (MASK): never a node
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(d)
+                    scores.append(scores[node] + value)
+                    offered.append(len(tokens) - 1)
+        if d == depth:
+            break
+        frontier = sorted(offered, key=lambda i: -scores[i])[:branch]  # stable: ties keep creation order
+        F_, R = len(frontier), len(row_of)
+        mask = torch.zeros(F_, n + R + F_, dtype=torch.bool)
+        mask[:, :n] = True  # the committed rows
+        for f, node in enumerate(frontier):
+            mask[f, n + R + f] = True  # itself
+            a = parents[node]
+            while a > 0:  # its ancestors' rows (the root is the newest committed row, already visible)
+                mask[f, n + row_of[a]] = True
+                a = parents[a]
+        ids = torch.tensor([[tokens[i] for i in frontier]], device=device)  # (1, F)
+        feats = torch.stack([hidden_of[parents[i]] for i in frontier])[None]  # (1, F, D)
+        pos = torch.full((F_,), n + d, device=device)  # a depth-d token sits at position S-1+d
+        lg, h, k, v = head(ids, feats, pos, past_k, past_v, mask.to(device))
+        forwards += 1
+        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        for f, node in enumerate(frontier):
+            row_of[node], hidden_of[node] = R + f, h[0, f]
+        logits = lg[0]  # (F, V)
+    keep = [0] + sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    index = {node: i for i, node in enumerate(keep)}
+    N = len(keep)
+    visibility = torch.zeros(N, N, dtype=torch.bool)
+    visibility[0, 0] = True
+    for i in range(1, N):  # parents come first: row i = row parent(i) plus i itself
+        visibility[i] = visibility[index[parents[keep[i]]]]
+        visibility[i, i] = True
+    tree = Tree(torch.tensor([tokens[i] for i in keep]), torch.tensor([depths[i] for i in keep]),
+                torch.tensor([-1] + [index[parents[i]] for i in keep[1:]]),
+                torch.tensor([scores[i] for i in keep], dtype=torch.float64), visibility)
+    return tree, forwards
+
+
+def check_shape(k, budget, branch):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise UserError(f"k (drafts per round, the tree's depth) must be an integer >= 1, got {k!r}")
+    if budget is not None:
+        check_budget(budget)
+    if not isinstance(branch, int) or isinstance(branch, bool) or branch < 1:
+        raise UserError(f"branch (children per tree node and frontier width) must be an integer >= 1, got {branch!r}")
+
+
+@dataclass
+class Round:
+    """One verified round. tokens: the n accepted drafts and the target's own token; rows: the
+    verify rows that hold them; hidden: the verify forward's target features."""
+    accepted: int
+    tokens: list
+    rows: list
+    hidden: list
+    proposed: int
+    depth: int  # how deep the drafts reach (a chain: its length)
+    head_forwards: int
+    info: dict
+
+
+@dataclass
+class Decoding:
+    """The state a round reads: both models, both caches (holding seq[:-1]), the head's `ready`."""
+    target: object
+    head: EagleHead
+    target_cache: object
+    head_cache: object
+    seq: list
+    ready: tuple | None
+    warp_args: tuple
+    generator: object
+
+    def verify_forward(self, x, **kwargs):
+        return self.target(x, cache=self.target_cache, hidden_layers=self.head.config.feature_layers, **kwargs)
+
+
+def chain_round(s: Decoding, depth: int) -> Round:
+    """Draft a chain of `depth` tokens; one target forward; Leviathan's rule keeps a prefix."""
+    drafts, q, _ = draft_chain(s.head, s.head_cache, s.ready, depth, s.warp_args, s.generator)
+    x = torch.cat([torch.tensor([s.seq[-1]], device=drafts.device), drafts])[None]  # (1, K+1)
+    logits, hidden = s.verify_forward(x, causal=True)
+    n, token = verify(next_token_probs(logits[0], *s.warp_args), q, drafts, s.generator)
+    return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, depth, max(0, depth - 1),
+                 {"drafts": drafts.tolist()})
+
+
+def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
+    """Grow EAGLE-2's tree, `depth` deep; one target forward over it; follow the target's samples."""
+    start, room = s.target_cache.length, s.target.config.context - len(s.seq)
+    tree, spent = draft_tree(s.head, s.head_cache, s.ready, depth, branch, min(budget, room)) if depth else \
+        (build_tree(torch.empty(0, 1), 1), 0)  # no depth: the root alone, the target's one sample
+    ids, pos, mask = compile_tree(tree, start, s.seq[-1], s.target.embed.weight.device)
+    logits, hidden = s.verify_forward(ids, pos=pos, mask=mask)
+    path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *s.warp_args), s.generator)
+    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size,
+                 int(tree.depths.max()), spent,
+                 {"tree": tree, "path": path})
+
+
+def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args, generator, stop_token, on_round):
+    """The loop both modes share: prefill, then draft + verify (`one_round`), commit, until done.
+    Returns (new ids, tally.Speculated)."""
+    check_warp_args(*warp_args)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
+    check_head(target, head)
+    device = target.embed.weight.device
+    s = Decoding(target, head, target.new_cache(1), head.new_cache(1), list(prompt), None, warp_args, generator)
+    out, tally = [], Tally(k, chain)
+    if len(prompt) > 1:
+        _, hidden = s.verify_forward(torch.tensor([prompt[:-1]], device=device), causal=True)
+        s.ready = head.extend(s.head_cache, torch.tensor([prompt[1:]], device=device), hidden)
+        tally.prefill, tally.draft_forwards = 1, 1  # the head read the prompt's features: one forward
+    while len(out) < n_new:
+        depth = 0 if s.ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        start = s.target_cache.length  # = len(seq) - 1
+        r = one_round(s, depth)
+        tokens, stopped = cut_at_stop(r.tokens, stop_token)
+        s.seq += tokens
+        out += tokens
+        rows = r.rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
+        if rows == list(range(len(rows))):  # a prefix of the verify rows (a chain's always are)
+            s.target_cache.crop(start + len(rows))
+        else:
+            compact_cache(s.target_cache, start, rows[1:])
+        s.ready = head.extend(s.head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in r.hidden])
+        tally.add(r.accepted, r.proposed, r.head_forwards + 1, r.depth)  # + the head's read of the committed rows
+        if on_round is not None:
+            on_round({**r.info, "accepted": r.accepted, "tokens": tokens, "seq": list(s.seq),
+                      "target_cache": s.target_cache, "draft_cache": s.head_cache})
+        if stopped:
+            break
+    return out, tally.result(out, device)
+
+
+@torch.no_grad()
+def eagle_chain(target, head, prompt, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None, generator=None,
+                stop_token=EOT, on_round=None):
+    """EAGLE-3 with chains: each round the head drafts k tokens, one target forward verifies them."""
+    check_shape(k, None, 1)
+    return decode(target, head, prompt, max_new_tokens, k, chain_round, True, (temperature, top_k, top_p), generator,
+                  stop_token, on_round)
+
+
+@torch.no_grad()
+def eagle_tree(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, temperature=0.0, top_k=None,
+               top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """EAGLE-3 with EAGLE-2's dynamic tree: up to `budget` nodes, k deep, `branch` wide, one verify."""
+    check_shape(k, budget, branch)
+    return decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget), False,
+                  (temperature, top_k, top_p), generator, stop_token, on_round)
+
+
+def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
+                   top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids): chains (budget=None: eagle_chain) or trees of up to
+    `budget` nodes (eagle_tree); 1..k+1 tokens committed per round. Stops after max_new_tokens
+    (None: fill the context) or after emitting stop_token (None: never; tokens after it in the same
+    round are dropped). on_round(info) is called after every round with: drafts (chain) or tree and
+    path (tree), accepted (n), tokens (committed this round), seq (prompt + everything committed),
+    target_cache, draft_cache (the head's; both hold seq[:-1]).
+
+    Returns (new ids, tally.Speculated): proposed counts drafts or tree nodes, forwards = rounds +
+    the prefill, draft_forwards = head forwards, committed-row reads included.
+    """
+    common = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, stop_token=stop_token,
+                  on_round=on_round)
+    if budget is None:
+        return eagle_chain(target, head, prompt, max_new_tokens, k, **common)
+    return eagle_tree(target, head, prompt, max_new_tokens, k, budget, branch, **common)

@@ -1,0 +1,97 @@
+"""Files that must survive a crash, and the run folder that holds them.
+
+Every file this project writes for later (a checkpoint, a token cache, regenerated stories, a
+teacher's trajectories) is written atomically: into `.NAME.tmpPID` beside it, flushed to disk, then
+renamed over NAME. A crash leaves the old NAME intact, and a kill -9 leaves at most that temp file,
+which `remove_stale_temps` deletes at the next start (the PID in its name says whether its writer
+is still alive). A run folder belongs to one run at a time: `claim_run_folder` holds an exclusive
+lock (flock on OUT/.lock, released by the kernel when the process dies, however it dies).
+Leaves out: locking on Windows (no fcntl there; the claim is skipped) and network filesystems
+whose flock is advisory only between clients of one host.
+"""
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from tinydiff.checks import UserError
+from tinydiff.data import remove_stale_temps, temp_beside
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+
+def write_atomic(path, write):
+    """write(f) into a temp file, flushed and fsynced, then renamed over `path`; an OSError (a full
+    disk, a read-only folder) is a UserError that says the old file is intact."""
+    path = Path(path)
+    tmp = temp_beside(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        kept = "the previous one is intact" if path.exists() else "nothing was written"
+        raise UserError(f"cannot write {path} ({e.strerror or e}); {kept}: free disk space "
+                        "or pass a writable folder") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_output(path, what: str):
+    """Before any work: a file that will be written at the end can be (its folder exists and is
+    writable, and it is not a folder itself)."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; pass a file path inside it")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise UserError(f"{what} {path}: its folder {folder} does not exist; create it or pass another path")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{what} {path}: its folder {folder} is not writable; pass another path")
+
+
+def check_run_folder(out: Path):
+    """Before any work: `out` is (or can become) a writable folder."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a folder for the run")
+    existing = next(p for p in [out, *out.resolve().parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {existing} is not a writable folder; pass another --out")
+
+
+@contextmanager
+def claim_run_folder(out: Path):
+    """Create `out` and hold its lock while the run lives; a second run into it is refused."""
+    check_run_folder(out)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the run folder ({e.strerror}); pass another --out") from None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                owner = lock.read().strip() or "unknown"
+                raise UserError(f"another run (PID {owner}) is using {out}; wait for it to end, or pass "
+                                "another --out") from None
+            lock.seek(0)
+            lock.truncate()
+            lock.write(str(os.getpid()))
+            lock.flush()
+        remove_stale_temps(out, owned=True)
+        yield out
+    finally:
+        if created and [p.name for p in out.iterdir()] == [".lock"]:  # a run that wrote nothing leaves nothing
+            (out / ".lock").unlink()
+            out.rmdir()
+        lock.close()  # closing the file releases the flock

@@ -1,0 +1,87 @@
+"""Mixed precision for training: which dtype a device trains in, its autocast, and the optimizer step.
+
+  auto   bf16 autocast on a GPU with bf16 units (compute capability >= 8.0: A100, H100, RTX 30xx);
+         fp16 autocast with a gradient scaler on one without (T4, V100, P100: the free GPUs), where
+         bf16 is emulated and slower than fp32; fp32 on a CPU.
+  fp16   autocast to float16 and `torch.amp.GradScaler`: the loss is scaled up before backward so
+         small gradients survive float16, the gradients are unscaled before clipping, and a step
+         whose gradients hold inf or NaN is skipped (the scale halves) and counted. nanoGPT's recipe.
+  bf16   autocast to bfloat16 (float32's range: no scaler); refused on a GPU without bf16 units.
+  fp32   no autocast.
+The scaler's state is part of the training state (`state_dict`), so a resumed fp16 run continues
+exactly. Leaves out: fp8, master-weight copies (autocast keeps the weights in float32).
+"""
+from contextlib import nullcontext
+
+import torch
+
+from tinydiff.checks import UserError
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bf16_units(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def choose_dtype(requested: str, device: str) -> str:
+    """The dtype a run trains in: `requested`, or for "auto" the fastest this device has."""
+    if requested not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    cuda = device.startswith("cuda")
+    if requested == "auto":
+        return "bf16" if bf16_units(device) else "fp16" if cuda else "fp32"
+    if requested == "bf16" and cuda and not bf16_units(device):
+        name = torch.cuda.get_device_name(device)
+        raise UserError(f"--dtype bf16: the {name} has no bf16 units (emulated bf16 is slower than fp32); "
+                        "pass --dtype fp16 (or auto, which picks it)")
+    return requested
+
+
+class MixedPrecision:
+    """autocast for the forward, `step` for backward + clip + optimizer step, the skipped-step count."""
+
+    def __init__(self, dtype: str, device: str):
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        self.dtype, self.skipped = dtype, 0
+        self.autocast = torch.autocast(kind, dtype=AUTOCAST[dtype]) if dtype in AUTOCAST else nullcontext()
+        self.scaler = torch.amp.GradScaler(kind) if dtype == "fp16" else None
+
+    def describe(self) -> str:
+        return {"fp32": "fp32 (no autocast)", "bf16": "bf16 autocast",
+                "fp16": "fp16 autocast with a gradient scaler (skipped steps are counted)"}[self.dtype]
+
+    def step(self, loss, optimizer, parameters, grad_clip: float, reduce=None) -> bool:
+        """Backward, `reduce(parameters)` (data-parallel ranks average their gradients there), clip to
+        grad_clip, step; True if the scaler skipped the step (inf/NaN gradients)."""
+        parameters = list(parameters)
+        reduce = reduce or (lambda _: None)
+        if self.scaler is None:
+            loss.backward()
+            reduce(parameters)
+            torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+            optimizer.step()
+            return False
+        self.scaler.scale(loss).backward()
+        reduce(parameters)  # before unscaling: every rank then sees the same inf and skips the same step
+        self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # skipped when the unscaled gradients hold inf or NaN
+        self.scaler.update()
+        skipped = self.scaler.get_scale() < scale  # the scale backs off exactly when the step was skipped
+        self.skipped += skipped
+        return skipped
+
+    def state_dict(self) -> dict:
+        return {"dtype": self.dtype, "skipped": self.skipped,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+
+    def load_state_dict(self, state: dict):
+        """A checkpoint's precision state; a run resumed in another dtype starts a fresh scaler."""
+        if state.get("dtype") != self.dtype:
+            return
+        self.skipped = int(state.get("skipped", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
