@@ -23,6 +23,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
 
 from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import preset, Transformer  # noqa: E402
+from tinydiff.extras.self_correction import generate_revising  # noqa: E402
 from tinydiff.sampler import commit_schedule, generate  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
 
@@ -44,14 +45,14 @@ prompt = [EOT] + tok.encode("Once upon a time")
 n = 16 if args.quick else 32
 
 
-def show(title, **kwargs):
+def show(title, sampler=generate, **kwargs):
     print(f"\n{title}")
 
     def frame(event):
         canvas = tok.decode(event["canvas"][len(prompt):].tolist())
-        note = f" (revised {event['revised']})" if event["revised"] else ""
+        note = f" (revised {event['revised']})" if event.get("revised") else ""
         print(f"   fwd {event['forward']:2d} block {event['block']} +{len(event['committed'])}{note}: {canvas}")
-    ids, stats = generate(model, prompt, callback=frame, **kwargs)
+    ids, stats = sampler(model, prompt, callback=frame, **kwargs)
     print(f"   {stats.forwards} forwards for {stats.new_tokens} tokens "
           f"({stats.tokens_per_forward:.2f} per forward)")
 
@@ -66,4 +67,5 @@ show("   threshold 0.9:", gen_length=n, steps=n, block_length=n // 2, threshold=
 
 print("\n3. Self-correction: once a block is full, re-mask its least confident token and predict it")
 print("   again, now that the whole block is in view. Two extra forwards per block here.")
-show("   revise 2:", gen_length=n, steps=n, block_length=n // 2, revise=2)
+show("   revise 2 (tinydiff/extras/self_correction.py):", generate_revising, gen_length=n, steps=n,
+     block_length=n // 2, revise=2)

@@ -28,7 +28,8 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
 from tinydiff.ar import ar_generate  # noqa: E402
 from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
 from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_generate, dflash_loss, draft_block, feature_layers, sample_and_match, training_mask)  # noqa: E402
+from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_generate, dflash_loss,  # noqa: E402
+                             draft_block, feature_layers, match, training_mask)
 from tinydiff.io.checkpoint import drafter_from
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.speculative import next_token_probs  # noqa: E402
@@ -118,7 +119,7 @@ with torch.no_grad():
         target(torch.tensor([seq[:-1]]), cache=target_cache)
         x = torch.cat([torch.tensor(seq[-1:]), drafts])[None]  # (1, B): [last committed, drafts]
         p = next_token_probs(target(x, cache=target_cache)[0], 0, None, None)  # (B, V), greedy
-        n, bonus = sample_and_match(p, drafts, greedy=True)
+        n, bonus = match(p, drafts, None, greedy=True)
         print(f"   {name:<8} drafts {[tok.decode([t]) for t in drafts.tolist()]}")
         print(f"            target {[tok.decode([t]) for t in p.argmax(-1).tolist()]}  (its pick after each prefix)")
         print(f"            {n} accepted + the bonus {tok.decode([bonus])!r}: "

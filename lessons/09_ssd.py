@@ -15,6 +15,7 @@ verification rule is untouched, so the output is exactly what the target alone w
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from tinydiff.ar import ar_generate  # noqa: E402
 from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 from tinydiff.speculative import speculative_generate  # noqa: E402
-from tinydiff.ssd import forward_seconds, geometric_fan_out, ssd_generate  # noqa: E402
+from tinydiff.ssd import geometric_fan_out, ssd_generate  # noqa: E402
 from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -63,7 +64,29 @@ else:
     print("random models (train out/ar-tiny and out/ar-draft for real stories): target 12 layers, "
           "draft = its first layer")
 prompt = [EOT] + tok.encode("Once upon a time, there was a little girl named Lily.")
-costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
+
+
+def forward_seconds(model, reps=5):
+    """Median seconds of one cached single-token forward after the prompt: decoding's unit cost."""
+    cache, times = model.new_cache(1), []
+    model(torch.tensor([prompt]), cache=cache)
+    for _ in range(reps):
+        start = time.perf_counter()
+        model(torch.tensor([prompt[-1:]]), cache=cache)
+        times.append(time.perf_counter() - start)
+        cache.crop(len(prompt))
+    return sorted(times)[reps // 2]
+
+
+def modelled_speedup(stats, rounds, draft_s, target_s):
+    """SSD against plain speculative decoding at these forward costs, the draft on its own device (a batched
+    forward costs one): SD pays a target forward per round and a draft forward per draft; SSD drafts only
+    just in time (a miss), and its run-ahead costs only what outlasts the verification it overlaps."""
+    sd = stats.rounds * target_s + stats.proposed * draft_s
+    return sd / sum(r["jit_forwards"] * draft_s + max(target_s, r["ahead_forwards"] * draft_s) for r in rounds)
+
+
+costs = (forward_seconds(draft), forward_seconds(target))
 print(f"one cached forward: draft {costs[0] * 1e3:.2f} ms, target {costs[1] * 1e3:.2f} ms\n")
 
 
@@ -74,7 +97,7 @@ def words(ids):
 rounds = []
 new = 32 if args.quick else 96
 out, stats = ssd_generate(target, draft, prompt, new, K, 3, temperature=0, stop_token=None, threaded=True,
-                          on_round=lambda info: rounds.append(info), costs=costs)
+                          on_round=lambda info: rounds.append(info))
 hit = next((i for i in range(1, len(rounds)) if rounds[i]["cached"] and rounds[i - 1]["keys"]), None)
 miss = next((i for i in range(1, len(rounds)) if rounds[i]["cached"] is False), None)
 shown = hit if hit is not None else miss
@@ -129,8 +152,7 @@ if nxt["cached"]:
 miss_rounds, miss_fan_out = rounds, 3
 if miss is None:  # every verdict was cached: a smaller fan-out misses more often
     miss_rounds, miss_fan_out = [], 1
-    ssd_generate(target, draft, prompt, new, K, 1, temperature=0, stop_token=None, on_round=miss_rounds.append,
-                 costs=costs)
+    ssd_generate(target, draft, prompt, new, K, 1, temperature=0, stop_token=None, on_round=miss_rounds.append)
     miss = next((i for i in range(1, len(miss_rounds)) if miss_rounds[i]["cached"] is False), None)
 if miss is not None:
     m = miss_rounds[miss - 1]
@@ -149,11 +171,14 @@ print(f"   spec-k{K}: {spec.tokens_per_s:.0f} tokens/s, tau {spec.tau:.2f}, alph
 print("   method   hit rate  draft fwd (ahead+jit)  tok/s threaded  tok/s sequential  modelled vs SD")
 uniform = {}
 for fan_out in ((1, 3) if args.quick else (1, 3, 8)):
+    fan_rounds = []
     runs = {threaded: ssd_generate(target, draft, prompt, new, K, fan_out, temperature=0, stop_token=None,
-                                   threaded=threaded, costs=costs)[1] for threaded in (True, False)}
+                                   threaded=threaded, on_round=fan_rounds.append if threaded else None)[1]
+            for threaded in (True, False)}
     st = uniform[fan_out] = runs[True]
     print(f"   ssd-f{fan_out:<3} {st.hit_rate:8.2f}  {st.ahead_forwards:>6} + {st.jit_forwards:<14}"
-          f"{st.tokens_per_s:14.0f}  {runs[False].tokens_per_s:16.0f}  {st.modelled_speedup:13.2f}x")
+          f"{st.tokens_per_s:14.0f}  {runs[False].tokens_per_s:16.0f}  "
+          f"{modelled_speedup(st, fan_rounds, *costs):13.2f}x")
 print("   The modelled column prices every forward with the costs measured above: SD pays k draft forwards")
 print("   and a verification per round, SSD a verification (or the run-ahead, if longer) plus drafting")
 print("   only after a miss. The measured columns are this CPU, both threads sharing its memory bandwidth.\n")
@@ -166,20 +191,19 @@ print(f"3. Where to spend the branches. With alpha = {alpha:.2f}, 'k accepted' h
 print(f"   alpha^{K} for k = {K}. The paper's capped geometric allocation of {budget} branches "
       "(geometric_fan_out):")
 print(f"   {fan} instead of fan-out 1's {[1] * (K + 1)}.")
-st = ssd_generate(target, draft, prompt, new, K, fan, temperature=0, stop_token=None, costs=costs)[1]
+st = ssd_generate(target, draft, prompt, new, K, fan, temperature=0, stop_token=None)[1]
 print(f"   Hit rate {st.hit_rate:.2f} (fan-out 1: {uniform[1].hit_rate:.2f}); lookups per k {st.lookups}.")
 print("   The allocation assumes independent acceptances and a power law for the bonus's rank in q;")
 print("   acceptances come in streaks, so check it against the lookups per k you measure.")
 one = geometric_fan_out(1, K, 0.9)
-st = ssd_generate(target, draft, prompt, new, K, one, temperature=0, stop_token=None, threaded=True, costs=costs)[1]
+st = ssd_generate(target, draft, prompt, new, K, one, temperature=0, stop_token=None, threaded=True)[1]
 print("   On a CPU every branch is work the second core must finish within one verification, so the")
 print(f"   cheapest bet can win: one branch, {one} (all {K} drafts pass, then the draft's favourite):")
 print(f"   hit rate {st.hit_rate:.2f}, {st.tokens_per_s:.0f} tokens/s threaded against spec-k{K}'s "
       f"{spec.tokens_per_s:.0f} (bench row ssd-g1).\n")
 
 generator = torch.Generator().manual_seed(args.seed)
-st = ssd_generate(target, draft, prompt, new, K, 3, temperature=1.0, generator=generator, stop_token=None,
-                  costs=costs)[1]
+st = ssd_generate(target, draft, prompt, new, K, 3, temperature=1.0, generator=generator, stop_token=None)[1]
 print(f"4. At temperature 1 (fan-out 3): hit rate {st.hit_rate:.2f}, hits/lookups per k {st.hits} / "
       f"{st.lookups}.")
 print("   After a rejection the target's token comes from the residual max(0, p - q): tokens the draft")

@@ -13,12 +13,14 @@ choose its top-k only inside it. Fewer experts per forward means fewer weight by
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, block_mass, block_routing, moe_config, moe_stats, param_counts, reset_stats, set_routing)  # noqa: E402
+from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, block_mass, block_routing,  # noqa: E402
+                           moe_config, moe_layers, set_routing, unique_experts)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="a shorter sequence for the whole-model part")
@@ -86,7 +88,8 @@ with torch.no_grad():
         layer.threshold, layer.guard = thr, guard
         out = layer(x)
         size = int(layer.last["coreset"].sum())
-        print(f"   {thr:>9} {guard:>5} | {size:>7} | {int(layer.last['unique'].max()):>14} | "
+        unique = int(unique_experts(layer.last["experts"], E, BLOCK).max())
+        print(f"   {thr:>9} {guard:>5} | {size:>7} | {unique:>14} | "
               f"{float((out - by_token).norm() / by_token.norm()):>12.1%}")
     print(f"   Threshold 1.0 keeps every expert some token wanted; with guard {E} the coreset is all "
           "experts:\n   either way each token gets its own top-2 back, which is token routing "
@@ -108,7 +111,9 @@ with torch.no_grad():
 
     config = moe_config("tiny", context=64 if args.quick else 256)
     model = MoETransformer(config).eval()
-    counts = param_counts(model)
+    idle = sum((layer.n_experts - layer.top_k) * sum(p.numel() for p in layer.experts[0].parameters())
+               for layer in moe_layers(model))  # the routed experts a token does not use
+    counts = {"total": model.num_params(), "active": model.num_params() - idle}
     print(f"6. The whole diffusion LM: moe_config('tiny') = {config.n_layer} layers x {config.n_experts} "
           f"experts of width {config.expert_d_ff}, top-{config.moe_top_k} + 1 shared\n   "
           f"({config.moe_top_k + 1} x {config.expert_d_ff} = the dense d_ff {config.d_ff}): "
@@ -116,12 +121,14 @@ with torch.no_grad():
     ids = torch.randint(0, 50257, (1, config.context))
     for routing in ("token", "block"):
         set_routing(model, routing, threshold=0.6, guard=4)
-        reset_stats(model)
+        start = time.perf_counter()
         model(ids, causal=False)
-        s = moe_stats(model)
-        print(f"   {routing:>5} routing: {s['unique_experts_per_block']:5.1f} unique experts per block of "
-              f"{config.route_block}, {s['expert_bytes_per_forward'] / 2**20:5.1f} MiB of expert weights "
-              f"read of {s['expert_bytes_all'] / 2**20:.1f}, {1000 * s['moe_seconds']:.0f} ms in the MoE layers")
+        seconds, layers = time.perf_counter() - start, moe_layers(model)
+        unique = sum(float(unique_experts(m.last["experts"], m.n_experts, m.block_size).float().mean()) for m in layers)
+        read = sum(len(m.last["experts"].unique()) + 1 for m in layers) * layers[0].expert_bytes()  # + the shared
+        every = len(layers) * (config.n_experts + 1) * layers[0].expert_bytes()
+        print(f"   {routing:>5} routing: {unique / len(layers):5.1f} unique experts per block of {config.route_block}, "
+              f"{read / 2**20:5.1f} MiB of expert weights read of {every / 2**20:.1f}, {1000 * seconds:.0f} ms a forward")
     print("   Untrained, the router is nearly uniform, so the block's mass is spread thin and the coreset\n"
           "   is large. Training with token routing, then fine-tuning with block routing, concentrates it:\n"
           "   python train.py --model mdlm-moe, then --routing block --route-threshold 0.6 --route-guard 4.")

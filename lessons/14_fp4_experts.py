@@ -27,7 +27,7 @@ if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_d
 
 from tinydiff import fp4  # noqa: E402
 from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.dmoe import MoETransformer, moe_config, moe_layers, moe_stats, reset_stats, set_routing  # noqa: E402
+from tinydiff.dmoe import MoETransformer, moe_config, moe_layers, set_routing, unique_experts  # noqa: E402
 from tinydiff.fp4 import quantize_experts  # noqa: E402
 from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.tokenizer import EOT, MASK, Tokenizer  # noqa: E402
@@ -145,10 +145,11 @@ print(f"   A diffusion LM reads a block of {config.route_block} tokens per forwa
 with torch.no_grad():
     for routing, m, label in (("token", model, "fp32 "), ("block", quantized, "MXFP4")):
         set_routing(m, routing, threshold=0.6, guard=config.moe_top_k + 1)
-        reset_stats(m)
         m(block_ids)
-        s = moe_stats(m)
-        print(f"   {routing:>5} routing, {label} experts: {s['unique_experts_per_block']:5.1f} experts per block, "
-              f"{s['expert_bytes_per_forward'] / 1e6:6.2f} MB of expert weights per forward")
+        layers = moe_layers(m)
+        unique = sum(float(unique_experts(x.last["experts"], x.n_experts, x.block_size).float().mean()) for x in layers)
+        read = sum(len(x.last["experts"].unique()) + 1 for x in layers) * layers[0].expert_bytes()  # + the shared
+        print(f"   {routing:>5} routing, {label} experts: {unique / len(layers):5.1f} experts per block, "
+              f"{read / 1e6:6.2f} MB of expert weights per forward")
 print("   Block routing (lesson 11) cuts the experts a block reads (most where the router spreads a block\n"
       "   over many experts, as an untrained one does); FP4 cuts the bytes of each, whatever the routing.")

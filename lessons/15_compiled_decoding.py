@@ -1,10 +1,10 @@
 """Lesson 15: decoding without launch overhead. Fixed shapes, one compiled graph a step, then several steps a graph.
 
 Run: python lessons/15_compiled_decoding.py [--quick] [--ckpt out/ar-tiny/ckpt.pt]
-Read next: docs/USAGE.md (`--compile`); for this lesson's code tinydiff/fast/compiled.py (StaticCache,
-static_forward, StaticModel), tinydiff/fast/fused_steps.py (a step with its draw, or several steps, as one
-graph), tinydiff/fast/fused_round.py (a speculative round as one graph); tests/test_compiled.py and
-tests/test_fused_steps.py (the proof that the tokens do not change).
+Read next: docs/USAGE.md (`--compile`); for this lesson's code tinydiff/model.py (KVCache, Transformer.step),
+tinydiff/fast/compiled.py (`compiled`), tinydiff/fast/fused_steps.py (several steps as one graph),
+tinydiff/fast/fused_round.py (a speculative round as one graph); tests/fast/test_compiled.py and
+tests/fast/test_fused_steps.py (the proof that the tokens do not change).
 
 A decoding step of a small model is a few hundred small operations. On a GPU each one is a kernel
 launched from Python, and the launches, not the arithmetic, take the time: eager `tiny` decoding ran
@@ -25,8 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.fast.compiled import StaticModel  # noqa: E402
-from tinydiff.fast.fused_round import PREFILL_CHUNK  # noqa: E402
+from tinydiff.fast.compiled import compiled  # noqa: E402
 from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate  # noqa: E402
 from tinydiff.io.checkpoint import load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
@@ -78,50 +77,50 @@ with torch.no_grad():
     print(f"   A GPU does that arithmetic in microseconds; launching {n_ops} kernels from Python, one by one,")
     print("   costs it milliseconds. The step is launch-bound.\n")
 
-    print("2. Fixed shapes. The plain KV cache hands attention the rows written so far, so every step has")
-    print("   new shapes. A StaticCache always hands over all its rows, and a mask hides the unwritten ones:")
-    static = StaticModel(model.double(), (), compile=False)  # float64: the two paths agree to rounding
-    plain_cache, static_cache = model.new_cache(1), static.new_cache(1)
-    for t, token in enumerate(prompt):
-        x = torch.tensor([[token]])
-        keys = plain_cache.past(1)[0][0].shape[2]
-        a, b = model(x, cache=plain_cache, causal=True), static(x, cache=static_cache, causal=True)
-        if t in (2, 6):
-            print(f"   position {t}: the plain cache gives attention {keys} rows, the static one "
-                  f"{static_cache.capacity}; logits differ by {(a - b).abs().max().item():.1e}")
+    print("2. Fixed shapes. model.py's KVCache is static from the start (gpt-fast's): its buffers hold the")
+    print("   whole context, a step writes its rows in place at row indices held in a tensor, and attention")
+    print("   reads every row behind a mask that hides the ones not written yet:")
+    model.double()  # float64: the two paths below agree to rounding
+    for t in (2, 6):
+        cache = model.new_cache(1)
+        model(torch.tensor([prompt[:t]]), cache=cache, causal=True)
+        step = model(torch.tensor([prompt[t:t + 1]]), cache=cache, causal=True)[0, -1]  # all rows, masked
+        whole = model(torch.tensor([prompt[:t + 1]]), causal=True)[0, -1]  # no cache: the sequence read again
+        print(f"   position {t}: a step reads all {cache.k[0].shape[2]} rows of its cache ({t} valid); "
+              f"logits differ by {(step - whole).abs().max().item():.1e} from reading the sequence again")
     model.float()
-    print("   Same numbers, and a step whose shapes never change compiles once for every position.\n")
+    print("   So a step's shapes depend only on how many tokens it reads: it compiles once for every position.\n")
 
-    print("3. One compiled graph a token: the forward, the warp and the draw (fused_steps.py, one step a")
-    print("   call). Compiling happens on the first call of each shape; every later token replays it.")
-    one = FusedSteps(StaticModel(model, (PREFILL_CHUNK,)), 1)
-    multi_step_generate(one, prompt, 4, 0.0, stop_token=None)  # the first call of each shape compiles it
-    print(f"   compiling: {one.compile_seconds:.1f} s (once per shape; on a GPU also recorded as a CUDA graph)")
+    print("3. One compiled graph a step: compiled(model, hot=(1,)) is the same model whose `step` is")
+    print("   torch.compile'd for one-token calls, and the loop the lessons teach (ar_generate) runs on it.")
+    one = compiled(model, (1,))
+    ar_generate(one, prompt, 4, 0.0, stop_token=None)  # the first call of each shape compiles it
+    print(f"   compiling: {one.compiled_step.compile_seconds:.1f} s (once per shape; on a GPU also recorded as a "
+          "CUDA graph)")
     eager_ids, eager = ar_generate(model, prompt, new, 0.0, stop_token=None)
-    ids, compiled = multi_step_generate(one, prompt, new, 0.0, stop_token=None)
-    print(f"   eager {new / eager.seconds:6.1f} tokens/s, compiled {new / compiled.seconds:6.1f} tokens/s; "
+    ids, steps = ar_generate(one, prompt, new, 0.0, stop_token=None)
+    print(f"   eager {new / eager.seconds:6.1f} tokens/s, compiled {new / steps.seconds:6.1f} tokens/s; "
           f"same tokens as eager (greedy): {ids == eager_ids}\n")
 
-    print("4. Several steps a graph call (multi-step decoding). Each call still costs the host its guards,")
-    print("   its wrapper and the wait for the read-back. Eight steps unrolled in one graph, each step's")
-    print("   token fed to the next on the device, pay that once for eight tokens:")
-    eight = FusedSteps(StaticModel(model, (PREFILL_CHUNK,)), 8)
+    print("4. Several steps a graph call (multi-step decoding). Each call still costs the host its guards")
+    print("   and the wait for the read-back, and the warp and draw run eagerly between calls. Eight steps")
+    print("   with their draws unrolled in one graph, each token fed to the next on the device, pay that once")
+    print("   for eight tokens (fused_steps.py):")
+    eight = FusedSteps(model, 8)
     multi_step_generate(eight, prompt, 8, 0.0, stop_token=None)
     print(f"   compiling: {eight.compile_seconds:.1f} s (a bigger graph: longer from a cold compile cache)")
     ids8, result8 = multi_step_generate(eight, prompt, new, 0.0, stop_token=None)
-    ids, compiled = multi_step_generate(one, prompt, new, 0.0, stop_token=None)
-    print(f"   one token a call {new / compiled.seconds:6.1f} tokens/s, eight a call {new / result8.seconds:6.1f} "
+    print(f"   one token a call {new / steps.seconds:6.1f} tokens/s, eight a call {new / result8.seconds:6.1f} "
           f"tokens/s; same tokens as eager (greedy): {ids8 == eager_ids}")
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     sampled = ar_generate(model, prompt, new, 1.0, generator=g1, stop_token=None)[0]
     same = multi_step_generate(eight, prompt, new, 1.0, generator=g2, stop_token=None)[0] == sampled
     print(f"   At T = 1 with the same seed: same tokens as eager: {same}. The uniforms are drawn before the graph")
     print("   runs, in the eager loop's order; in float32 a draw that falls within rounding of a boundary")
-    print("   could go the other way (tests/test_fused_steps.py checks the samples in float64).\n")
+    print("   could go the other way (tests/fast/test_fused_steps.py checks the samples in float64).\n")
 
 print("5. On a GPU, `--compile` also captures each graph as a CUDA graph: one launch replays every kernel")
-print("   at the addresses it recorded. So a model keeps one set of cache buffers for every story")
-print("   (compiled.Wrapped.static_cache): new buffers would make inductor record every graph again.")
-print("   Speculative rounds go the same way: the drafts, the verify and the acceptance rule as one graph")
-print("   (fused_round.py, fused_dflash.py, fused_ddtree.py). Compare them all with")
-print("   python -m tinydiff.bench --compile --methods ar,ar-steps8,spec-k4,dflash-b16,ddtree-n32")
+print("   at the addresses it recorded. So a compiled model keeps one set of cache buffers for every story")
+print("   (new buffers would make inductor record every graph again). A whole speculative round can be one")
+print("   graph too (fused_round.py, fused_dflash.py). Compare them with")
+print("   python -m tinydiff.bench --compile --methods ar,ar-steps8,spec-k4,spec-k4-fused,dflash-b16,dflash-b16-fused")

@@ -1,11 +1,15 @@
 """The DFlash tests' models: the module-scoped target + drafter fixtures (GPT-2's full vocabulary and
 MASK, in float32 and float64), targets a drafter was not built for, and `run`, dflash_generate with
-every round recorded. Not a test file: test_dflash.py and test_dflash_decode.py import from it.
+every round recorded. Not a test file: the DFlash tests import from it.
 """
 import pytest
 from stats_helpers import float64, random_drafter, random_model, recorded_run
 
+from functools import partial
+
 from tinydiff.dflash import dflash_generate
+from tinydiff.extras.dflash_reject import dflash_reject_generate
+from tinydiff.extras.markov_head import markov_drafts
 from tinydiff.model import ModelConfig
 
 # Targets of another shape than `models`' target: another vocabulary, width, depth or context.
@@ -15,10 +19,19 @@ MISMATCHED_TARGETS = (ModelConfig(vocab_size=1000, context=40, n_layer=5, n_head
                       ModelConfig(context=64, n_layer=5, n_head=2, d_model=32, d_ff=64))
 
 
+def dflash_with_rule(target, drafter, *args, rule="match", **kwargs):
+    """DFlash with `rule` (extras/dflash_reject.py: "match", "reject"; min_confidence too), a Markov drafter's
+    drafts read through its head (extras/markov_head.py)."""
+    propose = partial(markov_drafts, sampled=rule == "reject") if getattr(drafter, "markov", None) is not None \
+        else None
+    return dflash_reject_generate(target, drafter, *args, rule=rule, propose=propose, **kwargs)
+
+
 def run(target, drafter, prompt, n, oracle=None, on_round=None, **kwargs):
     """dflash_generate with every round's info recorded (caches left out), also passed to the oracle
-    and to on_round."""
-    return recorded_run(dflash_generate, target, drafter, prompt, n, oracle, on_round, **kwargs)
+    and to on_round; with a `rule`, extras/dflash_reject.py's (rule="match" is dflash_generate's own)."""
+    decode = dflash_with_rule if "rule" in kwargs or "min_confidence" in kwargs else dflash_generate
+    return recorded_run(decode, target, drafter, prompt, n, oracle, on_round, **kwargs)
 
 
 # Models with GPT-2's full vocabulary (and MASK). Five target layers: two feature layers, [1, 2].

@@ -100,7 +100,12 @@ def random_drafter(target, seed, std=0.5, **overrides):
     """An untrained drafter whose layers matter (default init barely moves the block's embeddings),
     in the target's dtype (a float64 target's drafter holds the float32 one's weights, widened)."""
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(DFlashConfig.for_target(target.config, **overrides), target).eval()
+    if overrides.get("markov_rank"):  # DSpark's Markov head: tinydiff/extras/markov_head.py
+        from tinydiff.extras.markov_head import MarkovConfig, MarkovDrafter
+        drafter = MarkovDrafter(MarkovConfig.for_target(target.config, **overrides), target).eval()
+    else:
+        overrides.pop("markov_rank", None)
+        drafter = DFlashDrafter(DFlashConfig.for_target(target.config, **overrides), target).eval()
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() == 2 or name == "mask_embed":

@@ -36,6 +36,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
 from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate
 from tinydiff.dflash import dflash_generate
+from tinydiff.extras.markov_head import markov_ddtree_generate
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
 
@@ -300,7 +301,8 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
         rounds.append({"tree": info["tree"], "path": info["path"]})
         if oracle is not None:
             oracle.on_round(info)
-    counts, hist = sample_counts(lambda generator: ddtree_generate(
+    decode = markov_ddtree_generate if markov_rank else ddtree_generate  # trees whose children read the head
+    counts, hist = sample_counts(lambda generator: decode(
         target, drafter, PROMPT, NEW, None, budget, temperature, top_k, top_p, generator, stop_token=None,
         on_round=on_round), n, oracle, seed=1234)
     assert hist[0] > 0 and hist[NEW - 1] > 0 and branch_steps(rounds) > 0, hist

@@ -1,4 +1,5 @@
-"""Spec: DDTree's tree (tinydiff/ddtree.py: build_tree, build_markov_tree, compile_tree, follow_tree).
+"""Spec: DDTree's tree (tinydiff/ddtree.py: build_tree, compile_tree, follow_tree; the Markov head's trees:
+tinydiff/extras/markov_head.py's build_markov_tree).
 The heap returns exactly the highest-scoring prefixes (against brute-force enumeration, with and
 without DSpark's Markov bias; a zero head gives the plain tree), as a tree (ancestor-closed,
 siblings distinct, min(budget, prefixes) nodes); the visibility matrix is exactly the
@@ -12,8 +13,8 @@ import torch
 from tree_paths import children, prefix_of
 
 from tinydiff.checks import UserError
-from tinydiff.ddtree import build_markov_tree, build_tree, compile_tree, follow_tree
-from tinydiff.extras.markov_head import MarkovHead
+from tinydiff.ddtree import build_tree, compile_tree, follow_tree
+from tinydiff.extras.markov_head import MarkovHead, build_markov_tree
 from tinydiff.tokenizer import MASK
 
 

@@ -83,7 +83,7 @@ def test_a_feature_layer_id_is_the_output_of_that_0_indexed_block(models):
     i writes. Hooks catch the blocks' outputs and the drafter's projection input in one decode."""
     target, drafter = models
     ids = drafter.config.feature_layers
-    assert ids == [1, 2] and drafter.config.feature_ids == "block_output"
+    assert ids == [1, 2] and drafter.config.taps == [2, 3]
     outputs, seen = {}, []
 
     def keep_first(i):
@@ -103,22 +103,25 @@ def test_a_feature_layer_id_is_the_output_of_that_0_indexed_block(models):
 
 @torch.no_grad()
 def test_a_drafter_saved_before_feature_ids_keeps_reading_its_layers(models):
-    """A checkpoint without the field meant "after i blocks": it loads with that meaning recorded and
-    reads exactly the hidden states it was trained on; a new config's ids read one block later."""
+    """A version 1 checkpoint without the field (or any with feature_ids "after_blocks") meant "after i blocks":
+    it loads with its ids read one block earlier, so it reads exactly the hidden states it was trained on."""
     target, _ = models
-    old = random_drafter(target, seed=1, n_layer=1, block_size=8, n_features=2, feature_ids="after_blocks")
-    stored = {key: value for key, value in asdict(old.config).items() if key != "feature_ids"}
-    rebuilt = drafter_from({"config": stored, "model": old.state_dict()}, target)
-    assert rebuilt.config.feature_ids == "after_blocks" and rebuilt.config.taps == old.config.feature_layers
-    new = DFlashConfig.for_target(target.config, n_features=2)
-    assert new.feature_layers == old.config.feature_layers and new.taps == [i + 1 for i in new.feature_layers]
+    new = random_drafter(target, seed=1, n_layer=1, block_size=8, n_features=2)
+    assert new.config.feature_layers == [1, 2] and new.config.taps == [2, 3]
+    old = {**asdict(new.config), "feature_layers": [2, 3]}  # the same layers, as an old drafter named them
+    for stored, version in ((old, 1), ({**old, "feature_ids": "after_blocks"}, 2),
+                            ({**asdict(new.config), "feature_ids": "block_output"}, 1), (asdict(new.config), 2)):
+        rebuilt = drafter_from({"version": version, "config": stored, "model": new.state_dict()}, target)
+        assert rebuilt.config.feature_layers == [1, 2] and rebuilt.config.taps == [2, 3]
     prompt = [EOT, 11, 12, 13]
     assert dflash_generate(target, rebuilt, prompt, 12, temperature=0, stop_token=None)[0] == \
-        dflash_generate(target, old, prompt, 12, temperature=0, stop_token=None)[0]
-    for bad, message in (({"feature_ids": "after"}, "feature_ids"), ({"feature_layers": [1, 5]}, "<= 4, got 5")):
+        dflash_generate(target, new, prompt, 12, temperature=0, stop_token=None)[0]
+    for bad, message in (({**old, "feature_ids": "after"}, "feature_ids"), ({**old, "feature_layers": [0, 2]},
+                                                                            "reads the target's embeddings")):
         with pytest.raises(UserError, match=message):
-            DFlashConfig.for_target(target.config, **bad)
-    assert DFlashConfig.for_target(target.config, feature_layers=[1, 5], feature_ids="after_blocks").taps == [1, 5]
+            drafter_from({"version": 1, "config": bad, "model": new.state_dict()}, target)
+    with pytest.raises(UserError, match="<= 4, got 5"):
+        DFlashConfig.for_target(target.config, feature_layers=[1, 5])
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ from table_models import Oracle, TableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.dflash import dflash_generate, greedy_match
+from tinydiff.dflash import dflash_generate, match
+from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -62,7 +63,7 @@ def test_greedy_match_is_the_position_by_position_rule():
             if K and trial % 4:  # break the chain at a random slot, or leave every draft right
                 j = int(torch.randint(0, K, (1,), generator=g))
                 drafts[j] = (drafts[j] + 1 + int(torch.randint(0, 5, (1,), generator=g))) % 6
-            assert greedy_match(p, drafts) == walk(p, drafts)
+            assert match(p, drafts, None, None, greedy=True) == walk(p, drafts)
 
 
 
@@ -187,7 +188,7 @@ def test_bad_input_is_a_clear_error(models):
         with pytest.raises(UserError, match="drafter was built for a target"):
             dflash_generate(random_model(other, seed=0), drafter, [1, 2], 5)
     with pytest.raises(UserError, match="rule"):
-        dflash_generate(target, drafter, [1, 2], 5, rule="greedy")
+        dflash_reject_generate(target, drafter, [1, 2], 5, rule="greedy")
     assert_refuses_what_block_drafting_refuses(dflash_generate, target, drafter)
 
 
@@ -222,7 +223,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     probs = exact_joint(target, temperature, top_k, top_p)  # (V^NEW,)
     if table:
         target = TableTarget(target, drafter.config.taps)
-    counts, hist = sample_counts(lambda generator: dflash_generate(
+    counts, hist = sample_counts(lambda generator: dflash_reject_generate(
         target, drafter, PROMPT, NEW, None, temperature, top_k, top_p, generator, stop_token=None, rule=rule,
         on_round=oracle and oracle.on_round), n, oracle, seed=1234)
     assert hist[0] > 0 and hist[NEW - 1] > 0, hist  # rejections, and full acceptances of 2 drafts

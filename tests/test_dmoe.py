@@ -6,6 +6,8 @@ import pytest
 import torch
 from stats_helpers import assert_same
 
+from tinydiff.bench.moe_stats import moe_stats, param_counts, reset_stats
+
 from tinydiff.checks import UserError
 from tinydiff.dmoe import (
     MoEConfig,
@@ -17,12 +19,10 @@ from tinydiff.dmoe import (
     mdlm_moe_loss,
     moe_config,
     moe_layers,
-    moe_stats,
-    param_counts,
-    reset_stats,
     route,
     set_routing,
     switch_balance,
+    unique_experts,
 )
 from tinydiff.model import FeedForward, ModelConfig, Transformer, preset
 from tinydiff.sampler import generate, generate_cached
@@ -169,7 +169,7 @@ def test_block_routing_touches_no_more_experts_than_token_routing():
     model = tiny_moe()
     x = torch.randint(0, 50257, (3, 45))  # 45: not a multiple of the routing block 8
     model(x)
-    token = [layer.last["unique"] for layer in moe_layers(model)]
+    token = [unique_experts(layer.last["experts"], 8, 8) for layer in moe_layers(model)]
     for layer in moe_layers(model):  # the real router outputs of every layer, routed both ways
         scores = layer.last["scores"]
         _, by_token = route(scores, 2)
@@ -181,10 +181,11 @@ def test_block_routing_touches_no_more_experts_than_token_routing():
     set_routing(model, "block", threshold=0.6)
     model(x)
     first = moe_layers(model)[0]  # same input as under token routing: the counts compare block by block
-    assert (first.last["unique"] <= token[0]).all() and (first.last["unique"] < token[0]).any()
+    unique = unique_experts(first.last["experts"], 8, 8)  # (3, n_blocks)
+    assert (unique <= token[0]).all() and (unique < token[0]).any()
     for b in range(3):  # the layer's own count is the number of distinct experts its tokens used
         for j, block in enumerate(blocks_of(45, 8)):
-            assert int(first.last["unique"][b, j]) == len(set(first.last["experts"][b, block].flatten().tolist()))
+            assert int(unique[b, j]) == len(set(first.last["experts"][b, block].flatten().tolist()))
             assert set(first.last["experts"][b, block].flatten().tolist()) <= \
                 set(first.last["coreset"][b, j].nonzero().flatten().tolist())
 

@@ -15,7 +15,8 @@ from entry_points import last_line, run_in_process
 
 from tinydiff import fp4
 from tinydiff.checks import UserError
-from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers, moe_stats, reset_stats, set_routing
+from tinydiff.bench.moe_stats import moe_stats, reset_stats
+from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers, set_routing
 from tinydiff.fp4 import QuantizedMoEFeedForward, dequantized_copy, quantize_experts
 from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
@@ -285,7 +286,7 @@ def test_generate_and_eval_take_an_fp4_checkpoint(moe_ckpt, tmp_path, story_file
     import generate
     from tinydiff.tools import eval as pinned
     assert run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")[0] == 0
-    res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once", "--gen-length", 8,
+    res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once", "--max-new-tokens", 8,
                          "--steps", 4, "--block-length", 8, "--json", "--routing", "block")
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)["stats"]

@@ -101,21 +101,6 @@ def test_threshold_commits_all_above_and_at_least_one(model, threshold):
     assert MASK not in ids and stats.forwards == len(trace) <= 16
 
 
-def test_self_correction_changes_only_the_revised_tokens(model):
-    g = torch.Generator().manual_seed(4)
-    ids, stats, trace = run(model, gen_length=16, steps=8, block_length=8, revise=3, temperature=1.0, generator=g)
-    revisions = 0
-    for before, event in trace:
-        changed = (before != event["canvas"]).nonzero().flatten().tolist()
-        overwritten = [p for p in changed if before[p] != MASK]
-        assert set(overwritten) <= set(event["revised"])
-        assert (event["canvas"][:len(PROMPT)] == torch.tensor(PROMPT)).all()
-        if event["revised"]:
-            revisions += 1
-            assert event["committed"] == event["revised"]  # re-masked, then predicted again
-    assert revisions == 2 * 3 and stats.forwards == 8 + 2 * 3 and MASK not in ids
-
-
 def test_same_seed_same_tokens(model):
     def sample(seed, **kw):
         return generate(model, PROMPT, 16, 8, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)[0]

@@ -30,13 +30,13 @@ from stats_helpers import (  # noqa: F401 (fixtures; one_thread is autouse)
 from table_models import TableModel
 
 from tinydiff.ar import ar_generate
+from tinydiff.bench.methods import forward_seconds, modelled_seconds
 from tinydiff.checks import UserError
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import sample, warp
 from tinydiff.speculative import draft_round
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
-COSTS = (0.25, 1.0)  # (draft, target) seconds per forward for the modelled times: no clock in these tests
 
 
 def check_counts(out, stats, rounds, k, full_context=False):
@@ -92,7 +92,7 @@ def test_greedy_output_equals_the_targets_greedy_decoding(greedy_models):
             expected = greedy[stop_token]
             rounds, on_round = recorder()
             out, stats = ssd_generate(target, draft, prompt, 20, k, fan_out, temperature=0, stop_token=stop_token,
-                                      on_round=on_round, costs=COSTS)
+                                      on_round=on_round)
             assert out == expected, (seed, k, fan_out, name, stop_token)
             check_counts(out, stats, rounds, k)
             seen["hit"] += sum(r["cached"] is True for r in rounds)
@@ -116,7 +116,7 @@ def test_a_hit_is_the_speculation_drafting_after_the_outcome_gives(greedy_models
         rounds, on_round = recorder()
         fan_out = 3 if fan == "all" else [0] * k + [1]  # "last": the catch-up starts at x_n
         out, stats = ssd_generate(target, drafts["close"], prompt, n_new, k, fan_out, stop_token=None,
-                                  on_round=on_round, costs=COSTS)
+                                  on_round=on_round)
         assert out == greedy[seed, n_new]
         check_counts(out, stats, rounds, k, full_context=n_new is None)
         before = prompt
@@ -147,7 +147,7 @@ def test_a_fan_out_covering_the_vocabulary_always_hits():
         for fan_out in (V, [V - 1] * k + [V]):
             rounds, on_round = recorder()
             out, stats = ssd_generate(target, draft, PROMPT, 8, k, fan_out, temperature, stop_token=None,
-                                      generator=torch.Generator().manual_seed(seed), on_round=on_round, costs=COSTS)
+                                      generator=torch.Generator().manual_seed(seed), on_round=on_round)
             check_counts(out, stats, rounds, k)
             assert sum(stats.lookups) > 0 and stats.hit_rate == 1
             assert stats.jit_forwards == len(rounds[0]["drafts"])  # only the first round drafts just in time
@@ -169,7 +169,7 @@ def test_threaded_and_sequential_runs_agree_draw_for_draw(greedy_models):
                 rounds, on_round = recorder()
                 out, stats = ssd_generate(*models, [3, 4, 1, 2], 8, 3, 2, *warping,
                                           generator=torch.Generator().manual_seed(seed), stop_token=None,
-                                          threaded=threaded, on_round=on_round, costs=COSTS)
+                                          threaded=threaded, on_round=on_round)
                 counts = {key: value for key, value in stats.row().items() if not key.startswith(ignore)}
                 trace = [(r["drafts"], r["cached"], r["keys"], r["accepted"]) for r in rounds]
                 runs.append((out, counts, trace))
@@ -181,23 +181,21 @@ def test_threaded_and_sequential_runs_agree_draw_for_draw(greedy_models):
 
 @torch.no_grad()
 def test_modelled_times_follow_from_the_counted_forwards(greedy_models):
-    """SD drafts every proposed token (one forward each) and then verifies; SSD drafts only after a
-    miss, and its run-ahead costs time only where it outlasts the verification it overlaps."""
+    """The bench's price of SSD with its draft on its own device (bench.methods.modelled_seconds): SD drafts
+    every proposed token (one forward each) and then verifies; SSD drafts only after a miss, and its
+    run-ahead costs time only where it outlasts the verification it overlaps."""
     target, drafts = greedy_models
     for draft_s, target_s in ((0.1, 1.0), (0.7, 1.0), (0.0, 2.0)):  # 0.7: some run-aheads outlast verification
         rounds, on_round = recorder()
         out, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 24, 4, 2, stop_token=None,
-                                  on_round=on_round, costs=(draft_s, target_s))
+                                  on_round=on_round)
         sd = stats.rounds * target_s + stats.proposed * draft_s
         ssd = sum(r["jit_forwards"] * draft_s + max(target_s, r["ahead_forwards"] * draft_s) for r in rounds)
-        assert math.isclose(stats.modelled_seconds_sd, sd) and math.isclose(stats.modelled_seconds_ssd, ssd)
-        assert math.isclose(stats.modelled_speedup, sd / ssd)
-        assert (draft_s, target_s) == (stats.draft_forward_seconds, stats.target_forward_seconds)
+        assert all(math.isclose(a, b) for a, b in zip(modelled_seconds(stats, rounds, draft_s, target_s), (sd, ssd)))
         if draft_s == 0:
             assert math.isclose(ssd, stats.rounds * target_s)
         assert any(r["ahead_forwards"] * draft_s > target_s for r in rounds) == (draft_s == 0.7)
-    _, stats = ssd_generate(target, drafts["close"], prompt_for(0, 3), 8, 2, 1, stop_token=None)  # measured costs
-    assert stats.draft_forward_seconds > 0 and stats.target_forward_seconds > 0
+    assert forward_seconds(drafts["close"], prompt_for(0, 3)) > 0 and forward_seconds(target, prompt_for(0, 3)) > 0
 
 
 def test_geometric_fan_out_is_the_best_split_of_its_budget():
@@ -242,16 +240,14 @@ def test_bad_input_is_a_clear_error(greedy_models):
     target, drafts = greedy_models
     for fan_out in (0, -1, 2.5, True, [1, 1], [0, 0, 0], [1, -1, 1], "3"):
         with pytest.raises(UserError, match="fan-out"):
-            ssd_generate(target, drafts["small"], [1, 2], 5, 2, fan_out, costs=COSTS)
+            ssd_generate(target, drafts["small"], [1, 2], 5, 2, fan_out)
     for k in (0, -1, 2.5):
         with pytest.raises(UserError, match="k "):
-            ssd_generate(target, drafts["small"], [1, 2], 5, k, 1, costs=COSTS)
-    with pytest.raises(UserError, match="costs"):
-        ssd_generate(target, drafts["small"], [1, 2], 5, 2, 1, costs=(-1.0, 1.0))
+            ssd_generate(target, drafts["small"], [1, 2], 5, k, 1)
     with pytest.raises(UserError, match="empty"):
-        ssd_generate(target, drafts["small"], [], 5, 2, 1, costs=COSTS)
+        ssd_generate(target, drafts["small"], [], 5, 2, 1)
     with pytest.raises(UserError, match="temperature"):
-        ssd_generate(target, drafts["small"], [1, 2], 5, 2, 1, temperature=-1, costs=COSTS)
+        ssd_generate(target, drafts["small"], [1, 2], 5, 2, 1, temperature=-1)
     for args in ((0, 2, 0.5), (4, 2, 1.5), (4, 2, 0.5, 0), (4, 2, 0.5, 1.0, 0)):
         with pytest.raises(UserError):
             geometric_fan_out(*args)
@@ -364,7 +360,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(case):
     generator = torch.Generator().manual_seed(1234)
     for _ in range(n):
         out, stats = ssd_generate(target, draft, PROMPT, NEW, k, fan_out, temperature, top_k, top_p,
-                                  generator=generator, stop_token=None, costs=COSTS)
+                                  generator=generator, stop_token=None)
         counts[sum(t * V ** (NEW - 1 - i) for i, t in enumerate(out))] += 1
         hits, lookups = hits + sum(stats.hits), lookups + sum(stats.lookups)
     assert hits > 0.05 * n  # the cached speculations are exercised, not only just-in-time drafting

@@ -13,8 +13,6 @@ Each round, with committed sequence seq (S tokens) and both caches holding seq[:
   2. build:   `build_tree`: per depth the top-K log-probs (K = min(budget, V)); a best-first heap
               over prefixes, scored by the sum of their per-depth log-probs, pops `budget` nodes
               (the drafter's raw log-probs at every temperature: the tree sets tau, never the output);
-              with DSpark's Markov head, `build_markov_tree`: each node's children read the bias of
-              its own token, so a branch's deeper guesses follow the token it holds;
   3. compile: `compile_tree`: inputs [seq[-1], node tokens], position ids S-1 + depth, and a mask
               where a node sees the committed prefix, its ancestors and itself (never a sibling);
   4. verify:  ONE target forward over the tree (logits and hidden states at every node);
@@ -29,8 +27,10 @@ Each round, with committed sequence seq (S tokens) and both caches holding seq[:
 Node indices: 0 is the root (the newest committed token, parent -1), 1..N in heap-pop order, so a
 parent always precedes its children. Near the end of the context the tree is cut to fit the cache.
 
-Leaves out: batches, a fused tree-attention kernel (SDPA reads the boolean mask), and trees from any
-other drafter (the AR draft of speculative.py would need one forward per depth and per branch).
+Variants in tinydiff/extras/: trees of sampled children judged by recursive rejection sampling for T > 0
+(ddtree_sampled.py), trees whose children read DSpark's Markov head (markov_head.py); a whole round as one
+compiled graph: fast/fused_ddtree.py. Leaves out: batches, trees from an AR draft (one forward per depth
+and per branch).
 """
 import heapq
 import time
@@ -88,25 +88,6 @@ def build_tree(draft_logits, budget: int) -> Tree:
     top = torch.topk(draft_logprobs(draft_logits), min(budget, V), dim=-1) if D else None  # sorted, best first
     values, ids = (top.values.tolist(), top.indices.tolist()) if D else ([], [])
     return best_first(budget, D, lambda depth, token: (values[depth], ids[depth]))
-
-
-@torch.no_grad()
-def build_markov_tree(draft_logits, head, root_token: int, budget: int) -> Tree:
-    """build_tree for a drafter with DSpark's Markov head (tinydiff/extras/markov_head.py): a node's children
-    are read from the next depth's logits plus the bias of the node's own token (the root's: root_token,
-    the newest committed one), as the head drafts a chain left to right. A prefix scores the sum of
-    its tokens' log-probs, each given the token before it. One head product (r x V) per node that
-    gets children. With the head's W2 = 0 this is build_tree, tree for tree.
-    """
-    check_tree_args(draft_logits, budget)
-    D, V = draft_logits.shape
-
-    def children(depth, token):
-        previous = torch.tensor(root_token if token < 0 else token, device=draft_logits.device)
-        row = draft_logits[depth] + head(previous).to(draft_logits.dtype)  # (V,): the biased logits
-        top = torch.topk(draft_logprobs(row), min(budget, V))
-        return top.values.tolist(), top.indices.tolist()
-    return best_first(budget, D, children)
 
 
 def check_tree_args(draft_logits, budget):
@@ -221,26 +202,42 @@ def compact_cache(cache, prefix_len: int, path):
 
 @torch.no_grad()
 def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, budget=32, temperature=0.0,
-                    top_k=None, top_p=None, generator=None, stop_token=EOT, on_round=None):
+                    top_k=None, top_p=None, generator=None, stop_token=EOT, on_round=None, grow=None, judge=None):
     """Decode after `prompt` (list of ids): each round drafts depths 1..B-1 with one drafter forward,
     verifies a tree of up to `budget` nodes with one target forward and commits 1..B tokens.
     Stops after max_new_tokens (None: fill the context) or after emitting stop_token (None: never;
     tokens after it in the same round are dropped). on_round(info) is called after every round with:
     tree, path (accepted nodes), accepted (their count = depth reached), tokens (committed this
     round), seq (prompt + everything committed), target_cache, draft_cache (both compacted).
+    grow(draft_logits (D, V), root_token, n) -> a Tree of at most n nodes (default build_tree) and
+    judge(tree, p_at) -> (path, bonus), p_at(node) the target's warped distribution there (default
+    follow_tree), are what the variants in tinydiff/extras/ replace.
 
-    Returns (new ids, tally.Speculated): accepted over the depth reached 0..B-1, proposed = tree
+    Returns (new ids, speculative.Speculated): accepted over the depth reached 0..B-1, proposed = tree
     nodes verified (nodes_per_round: the tree rows each verify forward computes), no rejected or
     alpha (most nodes are alternatives, not a chain's judged drafts), forwards = rounds + the prefill.
     """
-    def grow(logits, root_token, n):
-        return build_tree(logits, n) if drafter.markov is None else build_markov_tree(logits, drafter.markov,
-                                                                                       root_token, n)
-
-    def judge(tree, p_at):
-        return follow_tree(tree, p_at, generator)
-    return decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, (temperature, top_k, top_p),
-                             grow, judge, stop_token, on_round)
+    grow = grow or (lambda logits, root_token, n: build_tree(logits, n))
+    judge = judge or (lambda tree, p_at: follow_tree(tree, p_at, generator))
+    check_budget(budget)
+    warp_args = (temperature, top_k, top_p)
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
+                                                                  warp_args)
+    seq, out = list(prompt), []
+    tally = Tally(B - 1, chain=False, prefill=prefill)
+    while len(out) < n_new:
+        depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
+        tree, path, bonus, hidden = grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B,
+                                                    warp_args, grow, judge, tally)
+        tokens, stopped = commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache,
+                                      hidden)
+        tally.add(len(path), tree.size, int(depth > 0), int(tree.depths.max()))  # a drafter forward if it drafted
+        if on_round is not None:
+            on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": draft_cache})
+        if stopped:
+            break
+    return out, tally.result(out, target.embed.weight.device)
 
 
 def grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B, warp_args, grow, judge,
@@ -279,30 +276,3 @@ def commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, 
     compact_cache(target_cache, start, rows[1:])
     drafter.extend(draft_cache, [h[:, rows] for h in hidden])
     return tokens, stopped
-
-
-def decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, warp_args, grow, judge,
-                      stop_token=EOT, on_round=None):
-    """The round loop every DDTree variant shares (ddtree_generate's arguments and result):
-    grow(draft_logits (D, V), root_token, n) -> a Tree of at most n nodes; judge(tree, p_at) ->
-    (path, bonus), p_at(node) the target's warped distribution (V,) at a node of the verified tree."""
-    check_budget(budget)
-    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
-                                                                  warp_args)
-    device = target.embed.weight.device
-    seq, out = list(prompt), []
-    tally = Tally(B - 1, chain=False)
-    tally.prefill = prefill
-    while len(out) < n_new:
-        depth = min(B - 1, n_new - len(out) - 1)  # a full-depth path plus the bonus lands on n_new
-        tree, path, bonus, hidden = grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B,
-                                                    warp_args, grow, judge, tally)
-        tokens, stopped = commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache,
-                                      hidden)
-        tally.add(len(path), tree.size, int(depth > 0), int(tree.depths.max()))  # a drafter forward if it drafted
-        if on_round is not None:
-            on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),
-                      "target_cache": target_cache, "draft_cache": draft_cache})
-        if stopped:
-            break
-    return out, tally.result(out, device)

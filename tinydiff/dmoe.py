@@ -28,8 +28,9 @@ its block's distribution, and the Switch term is defined on them. "sigmoid" (Dee
 style) is offered too, its top-k weights renormalised the same way.
 Dispatch is a plain loop over experts (index_select the routed tokens, run the expert, index_add
 the weighted result): an expert no token chose is never read. Without gradients, where Triton
-runs (kernels/__init__.py), one grouped-GEMM launch does the same (kernels/moe_ffn.py). Stats per
-forward: unique experts per block, experts touched (x bytes per expert = bytes read), layer time.
+runs (kernels/__init__.py), one grouped-GEMM launch does the same (kernels/moe_ffn.py). A layer keeps
+its latest routing in `last`; `unique_experts` counts what a block read (the measuring tools count
+bytes and time: tinydiff/bench/moe_stats.py).
 
 Routing blocks are counted back from the end of the sequence the model is given. The samplers'
 canvases (tinydiff/sampler.py) end on a block boundary, so every routing block is one decoding
@@ -42,7 +43,6 @@ Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-fr
 balancing, a grouped-GEMM backward pass.
 """
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,7 +56,6 @@ from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, wide
 from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
-MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)
 CAUSAL_ROUTING = "block routing is for diffusion LMs (mdlm-moe); a causal MoE (ar-moe) routes by token"
 SCORES = ("softmax", "sigmoid")
 EXPERT_FORMATS = ("float", "mxfp4", "nvfp4")  # packed FP4 experts: tinydiff/fp4.py
@@ -201,22 +200,11 @@ class MoEFeedForward(nn.Module):
         self.threshold, self.guard = config.route_threshold, config.route_guard
         self.votes = None  # (B, T) each token's vote in its block's mass; MoETransformer sets it per forward
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
-        self.sync_timing = False  # synchronize CUDA around the layer so its time is the GPU's
+        self.last = {}  # the latest forward's routing: scores (B, T, E), weights, experts (B, T, k), coreset
         self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
         self.weight_view = None  # w -> what an expert computes with (tinydiff/extras/qat.py: fake-quantized); None: w
-        self.reset_stats()
-
-    def reset_stats(self):
-        self.totals = {"forwards": 0, "blocks": 0, "unique": 0, "touched": 0, "seconds": 0.0}
-        self.last = {}
-
-    def _clock(self, x) -> float:
-        if self.sync_timing and x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter()
 
     def forward(self, x):
-        start = self._clock(x)
         B, T, D = x.shape
         logits = self.router(x).to(wide(self.router.weight.dtype))  # (B, T, E): float32 under autocast too
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
@@ -230,7 +218,7 @@ class MoEFeedForward(nn.Module):
             out = out + self.run_expert(self.shared, flat)
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         self.balance_loss = switch_balance(probs, experts, self.n_experts)
-        self._record(scores, weights, experts, coreset, start, x)
+        self.last = {"scores": scores.detach(), "weights": weights.detach(), "experts": experts, "coreset": coreset}
         return out.view(B, T, D)
 
     def routed(self, flat, mix, chosen):
@@ -249,24 +237,17 @@ class MoEFeedForward(nn.Module):
         gate, up, down = (self.weight_view(lin.weight) for lin in (expert.gate, expert.up, expert.down))
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
-    @torch.no_grad()
-    def _record(self, scores, weights, experts, coreset, start, x):
-        B, T, _ = scores.shape
-        used = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, experts, True)  # (B, T, E)
-        unique = pad_blocks(used, self.block_size).any(2).sum(-1)  # (B, n_blocks)
-        touched = used.flatten(0, 1).any(0).sum()  # distinct experts read in this forward
-        self.last = {"scores": scores.detach(), "weights": weights.detach(), "experts": experts,
-                     "coreset": coreset, "unique": unique, "touched": touched}
-        t = self.totals  # device tensors add up without a GPU -> CPU sync; moe_stats reads them
-        t["forwards"] += 1
-        t["blocks"] += unique.numel()
-        t["unique"] = t["unique"] + unique.sum()
-        t["touched"] = t["touched"] + touched
-        t["seconds"] += self._clock(x) - start
-
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what dispatching to it reads)."""
         return sum(p.numel() * p.element_size() for p in self.experts[0].parameters())
+
+
+def unique_experts(experts, n_experts: int, block_size: int):
+    """Distinct experts each block's tokens read, (B, n_blocks), from the experts (B, T, k) they were routed
+    to (blocks counted back from the end, as routing counts them): dMoE's measure of what a block costs."""
+    used = torch.zeros(*experts.shape[:2], n_experts, dtype=torch.bool, device=experts.device)
+    used.scatter_(-1, experts, True)  # (B, T, E)
+    return pad_blocks(used, block_size).any(2).sum(-1)
 
 
 class MoETransformer(Transformer):
@@ -321,69 +302,9 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
     return config
 
 
-def routing_from_flags(model, kind: str, path, routing=None, threshold=None, guard=None, mask_vote=None):
-    """A CLI's --routing / --route-threshold / --route-guard / --route-mask-vote applied to a loaded
-    checkpoint (its saved routing where a flag is not given): the MoEConfig in use, None if dense."""
-    asked = [flag for flag, value in (("--routing", routing), ("--route-guard", guard),
-                                      ("--route-threshold", threshold), ("--route-mask-vote", mask_vote))
-             if value is not None]
-    if kind not in MOE_KINDS:
-        if asked:
-            raise UserError(f"{asked[0]} needs a mixture-of-experts checkpoint ({' or '.join(MOE_KINDS)}); "
-                            f"{path} holds a {kind} model")
-        return None
-    mode = routing or model.config.routing
-    tuning = [flag for flag in asked if flag != "--routing"]
-    if mode == "token" and tuning:
-        raise UserError(f"{tuning[0]} tunes block routing; add --routing block")
-    return set_routing(model, mode, threshold, guard, mask_vote=mask_vote)
-
-
 def balance_loss(model):
     """The layers' Switch terms of the latest forward, summed (L when perfectly balanced)."""
     return sum(layer.balance_loss for layer in moe_layers(model))
-
-
-def reset_stats(model, sync_timing: bool = False):
-    """Zero the stats; with sync_timing, CUDA is synchronized around each layer (honest GPU times)."""
-    for layer in moe_layers(model):
-        layer.reset_stats()
-        layer.sync_timing = sync_timing
-
-
-def moe_stats(model) -> dict:
-    """Stats over the forwards since the last reset, all layers together.
-
-    unique_experts_per_block: distinct routed experts a block's tokens used, mean over blocks,
-    layers and forwards. experts_touched_per_layer: distinct routed experts read by one layer in
-    one forward. expert_bytes_per_forward: expert-weight bytes read per model forward (touched
-    experts, plus the shared expert, x bytes per expert); expert_bytes_all: every expert's bytes.
-    """
-    layers = moe_layers(model)
-    forwards = layers[0].totals["forwards"]
-    per_expert, shared = layers[0].expert_bytes(), int(layers[0].shared is not None)
-    out = {"forwards": forwards, "n_experts": layers[0].n_experts, "top_k": layers[0].top_k,
-           "routing": layers[0].routing, "expert_bytes_all": len(layers) * (layers[0].n_experts + shared) * per_expert}
-    if forwards == 0:
-        return out
-    touched = sum(float(layer.totals["touched"]) for layer in layers)
-    seconds = sum(layer.totals["seconds"] for layer in layers)
-    out.update({
-        "unique_experts_per_block": sum(float(layer.totals["unique"]) for layer in layers)
-        / sum(layer.totals["blocks"] for layer in layers),
-        "experts_touched_per_layer": touched / (forwards * len(layers)),
-        "expert_bytes_per_forward": (touched / forwards + len(layers) * shared) * per_expert,
-        "moe_seconds": seconds, "moe_seconds_per_forward": seconds / forwards})
-    return out
-
-
-def param_counts(model) -> dict:
-    """Total and active (used by one token) parameters, with and without the embedding."""
-    total, embed = model.num_params(), model.embed.weight.numel()
-    idle = sum((layer.n_experts - layer.top_k) * sum(p.numel() for p in layer.experts[0].parameters())
-               for layer in moe_layers(model))
-    return {"total": total, "active": total - idle, "total_no_embed": total - embed,
-            "active_no_embed": total - idle - embed}
 
 
 def mdlm_moe_loss(model, x, generator=None):

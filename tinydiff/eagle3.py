@@ -1,66 +1,33 @@
-"""EAGLE-3: a one-layer draft head that reads the target's features (model + training loss).
+"""EAGLE-3: a one-layer draft head that reads the target's features; its training-time-test loss and its loop.
 
 Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
-Training-Time Test"; reference code SafeAILab/EAGLE. The head is one Transformer block of its own
-around the target's *frozen* embedding and LM head. Its row t reads [embedding of token t+1, a
-feature of position t] at position t+1 and predicts token t+2 (the EAGLE convention: the feature
-says where the text was heading, the token says which way it went):
-
+Training-Time Test" (reference code SafeAILab/EAGLE); the dynamic tree is EAGLE-2's (Li et al. 2024).
+The head is one Transformer block of its own around the target's *frozen* embedding and LM head. Its
+row t reads [embedding of token t+1, a feature of position t] at position t+1 and predicts token t+2
+(the feature says where the text was heading, the token which way it went):
   step 0    the feature is the target's: its residual streams after a low, a mid and a high block
             (`eagle_layers`), concatenated (3D) and fused by `Linear(3D -> D)`;
-  step i>0  past the committed text there is no target feature yet, so the head feeds its own
-            output hidden state of step i-1 instead, with the token it drafted there;
-  input     `Linear(2D -> D)` on [RMSNorm(embedding), RMSNorm(feature)], then one causal block
-            (tinydiff.model's Block over explicit keys/values); committed rows' K/V sit in a KVCache;
-  output    the block's output is the next step's feature; through the head's RMSNorm (initialised
-            from the target's) it meets the target's tied head, read through `.detach()`.
-  training  "training-time test": the head is unrolled K steps on its own features, each step's
-            rows attending to exactly the keys the matching draft step sees at inference
-            (`unroll_mask`), step i's loss weighted 0.8^i. The loss is cross-entropy against the
-            target's own next-token distribution (distillation, as EAGLE-3's reference trains):
-            the head learns what the target will say, not what the corpus said. The tokens fed at
-            step i are the window's, where inference feeds its drafts: the same whenever the
-            earlier drafts were right, the only case in which step i can be accepted.
-
-The target is *held*, not registered (as in tinydiff/dflash.py): a head checkpoint (kind "eagle3")
-is the head's weights alone. Decoding is tinydiff/eagle3.py. Leaves out: the paper's reduced
-draft vocabulary (32k of the target's 128k ids), batched decoding, the data (train on text the
-target regenerated: train.py's `--regenerate`), the paper's scale (one Llama layer on an 8B target).
-
-EAGLE-3 decoding: the head drafts a chain or a tree with a few tiny forwards; the target verifies it in one.
-
-Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
-Training-Time Test"; the dynamic tree is EAGLE-2's (Li et al. 2024). The head is tinydiff/eagle3.py.
-Each round, with committed sequence seq (S tokens): both caches hold rows for seq[:-1] (the head's
-row t: the target's feature of position t with token t+1), and `ready` holds the head's output at
-its newest row: logits for token S and the hidden state that goes with them.
-  eagle_chain: d_1 ~ q_1 = warp(ready logits); draft step j >= 2 reads [d_{j-1}, the hidden
-            of step j-1] and gives q_j: k-1 head forwards. The target reads [seq[-1], d_1..d_k] in
-            one forward; speculation's rule (speculative.verify: accept with min(1, p/q), resample a
-            rejection from the residual, else a bonus from p_{k+1}) keeps the output the target's
-            distribution at every temperature, and greedy decoding at T = 0.
-  eagle_tree (budget N): EAGLE-2's dynamic tree from ready: each depth, every frontier node
-            offers its top `branch` children (score = sum of the head's log-probs along the path), the best `branch`
-            of those form the next frontier and one head forward reads them all (a node sees the
-            committed rows, its ancestors and itself: ancestor-only mask); after k depths the best N
-            of all offered nodes are kept (a child never outscores its parent, so they form a tree).
-            Verified with DDTree's single forward: ddtree.compile_tree / follow_tree (the target
-            samples its own token at each node and steps into the child that carries it:
-            sample-and-match, lossless at every temperature) / compact_cache. The nodes are fixed
-            top guesses, not samples, so a node is accepted with probability p(node): EAGLE's
-            reference verifies its trees the same way (recursive rejection with q = 1 reduces to
-            this). At T > 0 a sampled chain, accepted with min(1, p/q), can therefore beat a tree.
-  commit:   the target cache is cropped (chain) or compacted (tree); the head never stores its draft
-            rows, and reads the committed rows with the verify forward's target features in one
-            forward, which also gives the next round's `ready`.
-Before the first round a target forward over prompt[:-1] fills both caches (skipped for a one-token
-prompt, whose first round has no feature to draft from and commits the target's one sample).
-
-Both modes are one loop (`decode`: prefill, then draft + verify, commit) around one round function
-(`chain_round`, `tree_round`); `eagle_generate` picks the mode from `budget`.
-
-Leaves out: batches, adapting k or N on the fly, SpecInfer-style trees of sampled drafts (which
-multi-draft rejection sampling could verify at T > 0 with a higher acceptance).
+  step i>0  past the committed text there is no target feature yet: the head feeds its own output
+            hidden state of step i-1 instead, with the token it drafted there;
+  input     `Linear(2D -> D)` on [RMSNorm(embedding), RMSNorm(feature)], then one causal block over
+            explicit keys/values (dflash.ExtraKVBlock); committed rows' K/V sit in a KVCache;
+  training  "training-time test": the head unrolled K steps on its own features, each step's rows
+            attending to exactly the keys the matching draft step sees at inference (`unroll_mask`),
+            step i's loss weighted 0.8^i, against the target's own next-token distribution.
+Decoding, each round with committed seq (S tokens), both caches holding seq[:-1] and `ready` the
+head's logits for token S and the hidden state that goes with them:
+  chain     d_1 ~ warp(ready); draft j >= 2 reads [d_{j-1}, the hidden of step j-1]: k-1 head forwards.
+            The target reads [seq[-1], d_1..d_k] in one forward; speculation's rule
+            (speculative.verify) keeps the output the target's distribution, greedy at T = 0;
+  tree      (a budget of N nodes) EAGLE-2's dynamic tree: each depth, every frontier node offers its
+            top `branch` children (scored by the sum of the head's log-probs along the path), the best
+            `branch` of them form the next frontier, read by one head forward (a node sees the committed
+            rows, its ancestors and itself); after k depths the best N nodes are kept. Verified as a
+            DDTree: ddtree.compile_tree / follow_tree / compact_cache, lossless at every temperature;
+  commit    the target cache is cropped (chain) or compacted (tree); the head reads the committed rows
+            with the verify forward's target features in one forward, which gives the next `ready`.
+The target is *held*, not registered (as in dflash.py): a head checkpoint is the head's weights alone.
+Leaves out: the paper's reduced draft vocabulary, batches, adapting k or N on the fly.
 """
 from dataclasses import dataclass
 
@@ -81,11 +48,8 @@ KIND = "eagle3"  # the checkpoint kind
 
 
 def eagle_layers(n_layer: int) -> list[int]:
-    """The low, mid and high target layers read (ids as in Transformer.forward(hidden_layers=)).
-
-    EAGLE-3's reference reads after blocks 2, L//2 and L-3 (L = 32: [2, 16, 29]); a target under 8
-    blocks has no room for that and reads after blocks 1, (L+1)//2 and L (L = 4: [1, 2, 4]).
-    """
+    """The low, mid and high target layers read (ids as in Transformer.forward(hidden_layers=)): after
+    blocks 2, L//2 and L-3 as the reference (L = 32: [2, 16, 29]); under 8 blocks 1, (L+1)//2 and L."""
     if n_layer < 1:
         raise UserError(f"the target needs >= 1 layer, got {n_layer}")
     return [2, n_layer // 2, n_layer - 3] if n_layer >= 8 else [1, (n_layer + 1) // 2, n_layer]
@@ -110,8 +74,7 @@ class EagleConfig:
         check_fields(self, TARGET_RULES, "EAGLE-3 config")
         if self.feature_layers is None:
             self.feature_layers = eagle_layers(self.target_layers)
-        check_drafter_config(self, {"steps_ahead": DEPTH, "step_decay": MASS},
-                             "EAGLE-3 config")
+        check_drafter_config(self, {"steps_ahead": DEPTH, "step_decay": MASS}, "EAGLE-3 config", self.target_layers)
         if len(self.feature_layers) != 3:
             raise UserError(f"feature_layers must be 3 ids (low, mid, high) in [0, {self.target_layers}], "
                             f"got {self.feature_layers}")
@@ -126,8 +89,7 @@ class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, target: Transformer):
         super().__init__()
         check_target(config, target, "EAGLE head")
-        # Held, not registered: see DFlashDrafter (parameters, state_dict and .to() stay the head's).
-        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "target", target)  # held, not registered: see the module docstring
         self.config = config
         D, H = config.d_model, config.n_head
         if D % H or (D // H) % 2:
@@ -173,8 +135,8 @@ class EagleHead(nn.Module):
         n, T = cache.length, tokens.shape[1]
         pos = torch.arange(n + 1, n + 1 + T, device=tokens.device)  # row t reads token t+1
         mask = torch.ones(T, n + T, dtype=torch.bool, device=tokens.device).tril(n)  # causal after the cache
-        logits, h, k, v = self(tokens, self.fused(hidden), pos, cache.k[0][:, :, :n], cache.v[0][:, :, :n], mask)
-        cache.append(0, k, v)
+        logits, h, k, v = self(tokens, self.fused(hidden), pos, *committed_kv(cache), mask)
+        cache.write(0, cache.rows(T), k, v)
         cache.advance(T)
         return logits[0, -1], h[0, -1]
 
@@ -216,8 +178,8 @@ def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature
 
     loss = sum_i w_i CE_i / sum_i w_i, w_i = step_decay^i over steps i = 0..K-1 (K = steps, default
     config.steps_ahead), CE_i the mean over rows r >= i of the cross-entropy of step i's row r
-    against the target's distribution for token r+2, both read at `temperature` (soft_labels.py: 1 by
-    default, --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
+    against the target's distribution for token r+2, both read at `temperature` (1 by default,
+    --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
     one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
     (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
     row: the greedy tau at k = K if the target's picks were the data).
@@ -241,32 +203,19 @@ def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature
                   "tau_proxy": 1 + runs.cumprod(0).sum(0).float().mean()}
 
 
-def check_head(target, head):
-    if not isinstance(head, EagleHead):
-        raise UserError(f"the head is a {type(head).__name__}; build one with tinydiff.eagle3.EagleHead "
-                        "or load an EAGLE-3 checkpoint (train.py --model eagle3)")
-    check_target(head.config, target, "EAGLE head")
-    if head.fuse.weight.device != target.embed.weight.device:
-        raise UserError(f"the head is on {head.fuse.weight.device} but the target on "
-                        f"{target.embed.weight.device}; move both to one device")
-
-
 def committed_kv(cache):
     return cache.k[0][:, :, :cache.length], cache.v[0][:, :, :cache.length]  # (1, H, S-1, D/H) each
 
 
 def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generator=None):
-    """Sample n_drafts tokens: d_1 from the ready logits, then one head forward per further draft.
-
-    Returns drafts (K,), their warped distributions q (K, V) and the head's raw logits (K, V).
-    The draft rows' keys/values are kept here, never in the cache.
-    """
+    """n_drafts tokens sampled from the head: d_1 from the ready logits, then one head forward per further
+    draft (its rows' keys kept here, never in the cache). Returns drafts (K,), their warped distributions
+    q (K, V) and the head's raw logits (K, V)."""
+    V, device = head.config.vocab_size, head.fuse.weight.device
     if not n_drafts:  # the last round may have no room for drafts, the first none to draft from
-        V, device = head.config.vocab_size, head.fuse.weight.device
-        return (torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device),
-                torch.empty(0, V, device=device))
-    logits, hidden = ready  # (V,), (D,)
-    n, device = cache.length, hidden.device
+        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device), \
+            torch.empty(0, V, device=device)
+    (logits, hidden), n = ready, cache.length  # (V,), (D,)
     past_k, past_v = committed_kv(cache)
     drafts, qs, raw = [], [], []
     for j in range(n_drafts):
@@ -283,22 +232,19 @@ def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generat
 
 
 def log_probs(logits):
-    """The head's log-probabilities (..., V) in float32 (float64 heads: float64), MASK excluded (never drafted)."""
+    """The head's log-probabilities (..., V), MASK excluded (never drafted)."""
     return torch.log_softmax(draftable(logits), -1)
 
 
 def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: int):
-    """EAGLE-2's dynamic tree of up to `budget` nodes and `depth` levels from the ready logits.
-
-    Returns (ddtree.Tree, head forwards spent: depth - 1). Nodes are numbered best-first (score
-    descending, ties by creation), so a parent precedes its children, as ddtree's trees do.
-    """
+    """EAGLE-2's dynamic tree of up to `budget` nodes and `depth` levels from the ready logits. Returns
+    (ddtree.Tree, head forwards spent: depth - 1); nodes are numbered best-first (score descending, ties
+    by creation), so a parent precedes its children, as in ddtree's trees."""
     n, device = cache.length, ready[1].device
     past_k, past_v = committed_kv(cache)
     tokens, parents, depths, scores = [-1], [-1], [0], [0.0]  # every node offered; 0 is the root
     row_of, hidden_of = {}, {0: ready[1]}  # node -> its row among the tree rows read, its hidden state
-    frontier, logits = [0], ready[0][None]  # (F, V)
-    forwards = 0
+    frontier, logits, forwards = [0], ready[0][None], 0  # logits (F, V)
     for d in range(1, depth + 1):
         top = torch.topk(log_probs(logits), min(branch, logits.shape[-1]), -1)  # (F, branch): distinct children
         offered = []
@@ -333,10 +279,9 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
         logits = lg[0]  # (F, V)
     keep = [0] + sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
     index = {node: i for i, node in enumerate(keep)}
-    N = len(keep)
-    visibility = torch.zeros(N, N, dtype=torch.bool)
+    visibility = torch.zeros(len(keep), len(keep), dtype=torch.bool)
     visibility[0, 0] = True
-    for i in range(1, N):  # parents come first: row i = row parent(i) plus i itself
+    for i in range(1, len(keep)):  # parents come first: row i = row parent(i) plus i itself
         visibility[i] = visibility[index[parents[keep[i]]]]
         visibility[i, i] = True
     tree = Tree(torch.tensor([tokens[i] for i in keep]), torch.tensor([depths[i] for i in keep]),
@@ -345,7 +290,14 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
     return tree, forwards
 
 
-def check_shape(k, budget, branch):
+def check_args(target, head, k, budget, branch):
+    if not isinstance(head, EagleHead):
+        raise UserError(f"the head is a {type(head).__name__}; build a tinydiff.eagle3.EagleHead or load an "
+                        "EAGLE-3 checkpoint (train.py --model eagle3)")
+    check_target(head.config, target, "EAGLE head")
+    if head.fuse.weight.device != target.embed.weight.device:
+        raise UserError(f"the head is on {head.fuse.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise UserError(f"k (drafts per round, the tree's depth) must be an integer >= 1, got {k!r}")
     if budget is not None:
@@ -354,126 +306,63 @@ def check_shape(k, budget, branch):
         raise UserError(f"branch (children per tree node and frontier width) must be an integer >= 1, got {branch!r}")
 
 
-@dataclass
-class Round:
-    """One verified round. tokens: the n accepted drafts and the target's own token; rows: the
-    verify rows that hold them; hidden: the verify forward's target features."""
-    accepted: int
-    tokens: list
-    rows: list
-    hidden: list
-    proposed: int
-    depth: int  # how deep the drafts reach (a chain: its length)
-    head_forwards: int
-    info: dict
+@torch.no_grad()
+def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
+                   top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids): chains of k drafts (budget None) or trees of up to `budget` nodes,
+    k deep and `branch` wide; 1..k+1 tokens committed per round. Stops after max_new_tokens (None: fill the
+    context) or after stop_token (None: never; tokens after it in the same round are dropped). on_round(info)
+    after every round: drafts (chain) or tree and path (tree), accepted, tokens, seq, target_cache, draft_cache.
 
-
-@dataclass
-class Decoding:
-    """The state a round reads: both models, both caches (holding seq[:-1]), the head's `ready`."""
-    target: object
-    head: EagleHead
-    target_cache: object
-    head_cache: object
-    seq: list
-    ready: tuple | None
-    warp_args: tuple
-    generator: object
-
-    def verify_forward(self, x, **kwargs):
-        return self.target(x, cache=self.target_cache, hidden_layers=self.head.config.feature_layers, **kwargs)
-
-
-def chain_round(s: Decoding, depth: int) -> Round:
-    """Draft a chain of `depth` tokens; one target forward; Leviathan's rule keeps a prefix."""
-    drafts, q, _ = draft_chain(s.head, s.head_cache, s.ready, depth, s.warp_args, s.generator)
-    x = torch.cat([torch.tensor([s.seq[-1]], device=drafts.device), drafts])[None]  # (1, K+1)
-    logits, hidden = s.verify_forward(x, causal=True)
-    n, token = verify(next_token_probs(logits[0], *s.warp_args), q, drafts, s.generator)
-    return Round(n, drafts[:n].tolist() + [token], list(range(n + 1)), hidden, depth, depth, max(0, depth - 1),
-                 {"drafts": drafts.tolist()})
-
-
-def tree_round(s: Decoding, depth: int, branch: int, budget: int) -> Round:
-    """Grow EAGLE-2's tree, `depth` deep; one target forward over it; follow the target's samples."""
-    start, room = s.target_cache.length, s.target.config.context - len(s.seq)
-    tree, spent = draft_tree(s.head, s.head_cache, s.ready, depth, branch, min(budget, room)) if depth else \
-        (build_tree(torch.empty(0, 1), 1), 0)  # no depth: the root alone, the target's one sample
-    ids, pos, mask = compile_tree(tree, start, s.seq[-1], s.target.embed.weight.device)
-    logits, hidden = s.verify_forward(ids, pos=pos, mask=mask)
-    path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *s.warp_args), s.generator)
-    return Round(len(path), tree.tokens[path].tolist() + [token], [0, *path], hidden, tree.size,
-                 int(tree.depths.max()), spent,
-                 {"tree": tree, "path": path})
-
-
-def decode(target, head, prompt, max_new_tokens, k, one_round, chain, warp_args, generator, stop_token, on_round):
-    """The loop both modes share: prefill, then draft + verify (`one_round`), commit, until done.
-    Returns (new ids, tally.Speculated)."""
+    Returns (new ids, speculative.Speculated): proposed counts drafts or tree nodes, forwards = rounds +
+    the prefill, draft_forwards = head forwards, the reads of committed rows included.
+    """
+    warp_args = (temperature, top_k, top_p)
     check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    check_head(target, head)
-    device = target.embed.weight.device
-    s = Decoding(target, head, target.new_cache(1), head.new_cache(1), list(prompt), None, warp_args, generator)
-    out, tally = [], Tally(k, chain)
-    if len(prompt) > 1:
-        _, hidden = s.verify_forward(torch.tensor([prompt[:-1]], device=device), causal=True)
-        s.ready = head.extend(s.head_cache, torch.tensor([prompt[1:]], device=device), hidden)
-        tally.prefill, tally.draft_forwards = 1, 1  # the head read the prompt's features: one forward
+    check_args(target, head, k, budget, branch)
+    device, layers = target.embed.weight.device, head.config.feature_layers
+    target_cache, head_cache = target.new_cache(1), head.new_cache(1)
+    seq, out, ready = list(prompt), [], None
+    tally = Tally(k, chain=budget is None)
+    if len(prompt) > 1:  # the prefill: the target reads prompt[:-1], the head its features
+        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, hidden_layers=layers)
+        ready = head.extend(head_cache, torch.tensor([prompt[1:]], device=device), hidden)
+        tally.prefill, tally.draft_forwards = 1, 1
     while len(out) < n_new:
-        depth = 0 if s.ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
-        start = s.target_cache.length  # = len(seq) - 1
-        r = one_round(s, depth)
-        tokens, stopped = cut_at_stop(r.tokens, stop_token)
-        s.seq += tokens
+        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        start = target_cache.length  # = len(seq) - 1
+        if budget is None:  # a chain, judged by speculation's rule
+            drafts, q, _ = draft_chain(head, head_cache, ready, depth, warp_args, generator)
+            x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+            logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
+            n, token = verify(next_token_probs(logits[0], *warp_args), q, drafts, generator)
+            tokens, rows, proposed, deepest, spent = drafts[:n].tolist() + [token], list(range(n + 1)), depth, depth, \
+                max(0, depth - 1)
+            info = {"drafts": drafts.tolist()}
+        else:  # a tree, followed as DDTree follows one
+            room = target.config.context - len(seq)
+            tree, spent = draft_tree(head, head_cache, ready, depth, branch, min(budget, room)) if depth else \
+                (build_tree(torch.empty(0, 1), 1), 0)  # no depth: the root alone, the target's one sample
+            ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+            logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
+            path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
+            n, tokens, rows, proposed, deepest = len(path), tree.tokens[path].tolist() + [token], [0, *path], \
+                tree.size, int(tree.depths.max())
+            info = {"tree": tree, "path": path}
+        tokens, stopped = cut_at_stop(tokens, stop_token)  # commit
+        seq += tokens
         out += tokens
-        rows = r.rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
+        rows = rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
         if rows == list(range(len(rows))):  # a prefix of the verify rows (a chain's always are)
-            s.target_cache.crop(start + len(rows))
+            target_cache.crop(start + len(rows))
         else:
-            compact_cache(s.target_cache, start, rows[1:])
-        s.ready = head.extend(s.head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in r.hidden])
-        tally.add(r.accepted, r.proposed, r.head_forwards + 1, r.depth)  # + the head's read of the committed rows
+            compact_cache(target_cache, start, rows[1:])
+        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in hidden])
+        tally.add(n, proposed, spent + 1, deepest)  # + the head's read of the committed rows
         if on_round is not None:
-            on_round({**r.info, "accepted": r.accepted, "tokens": tokens, "seq": list(s.seq),
-                      "target_cache": s.target_cache, "draft_cache": s.head_cache})
+            on_round({**info, "accepted": n, "tokens": tokens, "seq": list(seq), "target_cache": target_cache,
+                      "draft_cache": head_cache})
         if stopped:
             break
     return out, tally.result(out, device)
-
-
-@torch.no_grad()
-def eagle_chain(target, head, prompt, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None, generator=None,
-                stop_token=EOT, on_round=None):
-    """EAGLE-3 with chains: each round the head drafts k tokens, one target forward verifies them."""
-    check_shape(k, None, 1)
-    return decode(target, head, prompt, max_new_tokens, k, chain_round, True, (temperature, top_k, top_p), generator,
-                  stop_token, on_round)
-
-
-@torch.no_grad()
-def eagle_tree(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, temperature=0.0, top_k=None,
-               top_p=None, generator=None, stop_token=EOT, on_round=None):
-    """EAGLE-3 with EAGLE-2's dynamic tree: up to `budget` nodes, k deep, `branch` wide, one verify."""
-    check_shape(k, budget, branch)
-    return decode(target, head, prompt, max_new_tokens, k, lambda s, d: tree_round(s, d, branch, budget), False,
-                  (temperature, top_k, top_p), generator, stop_token, on_round)
-
-
-def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
-                   top_p=None, generator=None, stop_token=EOT, on_round=None):
-    """Decode after `prompt` (list of ids): chains (budget=None: eagle_chain) or trees of up to
-    `budget` nodes (eagle_tree); 1..k+1 tokens committed per round. Stops after max_new_tokens
-    (None: fill the context) or after emitting stop_token (None: never; tokens after it in the same
-    round are dropped). on_round(info) is called after every round with: drafts (chain) or tree and
-    path (tree), accepted (n), tokens (committed this round), seq (prompt + everything committed),
-    target_cache, draft_cache (the head's; both hold seq[:-1]).
-
-    Returns (new ids, tally.Speculated): proposed counts drafts or tree nodes, forwards = rounds +
-    the prefill, draft_forwards = head forwards, committed-row reads included.
-    """
-    common = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, stop_token=stop_token,
-                  on_round=on_round)
-    if budget is None:
-        return eagle_chain(target, head, prompt, max_new_tokens, k, **common)
-    return eagle_tree(target, head, prompt, max_new_tokens, k, budget, branch, **common)

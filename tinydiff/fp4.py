@@ -33,36 +33,19 @@ Leaves out: the other MX element types (FP8, FP6, INT8), scales rounded instead 
 rows that do not fill a block, and scale swizzling for tensor-core layouts. `quantize` refuses NaN
 and inf; the other functions expect finite input.
 
-FP4 experts: a MoE feed-forward whose experts' weights are stored packed (tinydiff/fp4.py).
-
-MiMo-V2.5-Pro serves its MoE with MXFP4 weights on the experts only: they are nearly all of the
-parameters and, with top-k routing, the bytes each token reads; attention, the router, the norms and
-the embedding stay in higher precision. `quantize_experts(model)` does that to a trained
-`dmoe.MoETransformer` after training (post-training quantization): every MoE layer becomes a
-`QuantizedMoEFeedForward`, whose routed experts and shared expert hold, for gate, up and down,
-  codes   (E, out, in/2) uint8   two E2M1 values per byte
-  scales  (E, out, in/block) uint8   one E8M0 exponent (MXFP4) or E4M3 scale (NVFP4) per block
-  tensor_scale (E,) int32        NVFP4 only: one float32 per expert matrix, kept as its bits so that
-                                 model.half() (which casts every float buffer) leaves it exact
-with blocks along each matrix's input (gate, up: d_model; down: expert_d_ff) and the shared expert
-a stack of one. Everything else of the layer (router, routing, stats) is MoEFeedForward's.
-
-Forward: the dispatch loop of MoEFeedForward with each chosen expert's weights dequantized, in
-the input's dtype, just before use (an expert no token chose is never read), then the very calls
-the float FeedForward makes, so the outputs equal exactly those of a float model that holds the
-dequantized weights. Where kernels.for_inference (a GPU, no gradients; or Triton's interpreter)
-and the format is MXFP4, tinydiff/kernels/moe_ffn_fp4.py instead runs all routed experts in one
-launch that reads the packed bytes and dequantizes in registers (the shared expert: the same
-kernel, one expert, every token).
-
-The config records the format (MoEConfig.expert_format, expert_block), so a checkpoint of a
-quantized model loads as any other: MoETransformer builds this layer for such a config (with zero
-weights, for load_state_dict to fill), and every entry point that takes an mdlm-moe or ar-moe
-`--ckpt` takes it. Loading checks the packed tensors' dtypes and that no scale is NaN or negative.
-
-Leaves out: quantization-aware training, activations in FP4 (weights only: the matmuls run in
-the input's dtype), calibration (the OCP rule needs none), and a backward pass: the packed weights
-are buffers, not parameters.
+FP4 experts (MiMo-V2.5-Pro serves its MoE with MXFP4 weights on the experts only: they are nearly all
+the parameters and, with top-k routing, the bytes each token reads). `quantize_experts(model)` packs a
+trained dmoe.MoETransformer's experts (post-training quantization): every MoE layer becomes a
+`QuantizedMoEFeedForward`, whose routed and shared experts hold, for gate, up and down, codes
+(E, out, in/2) uint8, scales (E, out, in/block) uint8 and, for NVFP4, a tensor_scale (E,) kept as int32
+bits so that model.half() leaves it exact; blocks run along each matrix's input. Attention, the router,
+the norms and the embedding stay in float. Forward: MoEFeedForward's dispatch with each chosen expert
+dequantized just before use, then the float FeedForward's very calls, so the outputs equal those of a
+float model holding the dequantized weights; where kernels.for_inference and the format is MXFP4,
+kernels/moe_ffn_fp4.py runs all routed experts in one launch that reads the packed bytes. The config
+records the format (MoEConfig.expert_format, expert_block), so a packed checkpoint loads as any other.
+Leaves out: activations in FP4 (weights only), calibration (the OCP rule needs none), a backward pass
+(the packed weights are buffers); quantization-aware training is tinydiff/extras/qat.py.
 """
 from dataclasses import dataclass, replace
 
@@ -70,7 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff import fp4, kernels
+from tinydiff import kernels
 from tinydiff.checks import UserError
 from tinydiff.dmoe import MoEConfig, MoEFeedForward, MoETransformer, dispatch, moe_layers
 
@@ -243,17 +226,17 @@ class PackedWeights(nn.Module):
     @torch.no_grad()
     def store(self, w: torch.Tensor):
         """Quantize float matrices w (n, out, in) into this module's buffers."""
-        p = fp4.quantize(w, self.format, self.block_size)
+        p = quantize(w, self.format, self.block_size)
         self.codes.copy_(p.codes)
         self.scales.copy_(p.scales)
         if self.tensor_scale is not None:
             self.tensor_scale.copy_(p.tensor_scale.view(torch.int32))
 
-    def packed(self, e=None) -> fp4.Packed:
-        """All n matrices as one fp4.Packed (e None), or matrix e alone."""
+    def packed(self, e=None) -> Packed:
+        """All n matrices as one Packed (e None), or matrix e alone."""
         pick = (lambda t: t) if e is None else (lambda t: t[e])
         scale = None if self.tensor_scale is None else pick(self.tensor_scale.view(torch.float32))
-        return fp4.Packed(self.format, pick(self.codes), pick(self.scales), self.block_size, scale)
+        return Packed(self.format, pick(self.codes), pick(self.scales), self.block_size, scale)
 
     def weight(self, e: int, dtype) -> torch.Tensor:
         """Matrix e dequantized, (out, in)."""
@@ -267,7 +250,7 @@ class PackedWeights(nn.Module):
                 errors.append(f"{prefix}{name} is {t.dtype}, packed FP4 weights need {dtype}")
                 return
         scales = state_dict.get(prefix + "scales")
-        if scales is not None and self.format == "mxfp4" and bool((scales == fp4.E8M0_NAN).any()):
+        if scales is not None and self.format == "mxfp4" and bool((scales == E8M0_NAN).any()):
             errors.append(f"{prefix}scales holds E8M0 code 255 (NaN)")
         elif scales is not None and self.format == "nvfp4" and not bool(
                 (scales.view(torch.float8_e4m3fn).float() >= 0).all()):
@@ -354,7 +337,7 @@ def moe_model(config: MoEConfig) -> MoETransformer:
 
 
 def check_finite(layers):
-    """Before any work: every expert weight is a number (fp4.quantize would refuse it mid-way)."""
+    """Before any work: every expert weight is a number (quantize would refuse it mid-way)."""
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
             if name.startswith(("experts.", "shared.")) and not bool(torch.isfinite(p).all()):
@@ -372,7 +355,7 @@ def quantize_experts(model: MoETransformer, fmt: str = "mxfp4", block_size: int 
     if model.config.expert_format != "float":
         raise UserError(f"this model's experts are already {model.config.expert_format}; quantize the "
                         "full-precision checkpoint it came from")
-    block_size = fp4.STANDARD_BLOCK.get(fmt, 0) if block_size is None else block_size
+    block_size = STANDARD_BLOCK.get(fmt, 0) if block_size is None else block_size
     config = replace(model.config, expert_format=fmt, expert_block=block_size)  # checks format and block size
     check_finite(layers)
     weight = model.embed.weight

@@ -7,9 +7,11 @@ Attention is one of three kinds, chosen per call:
   - bidirectional (the masked-diffusion LM: every position sees every position),
   - an explicit boolean mask with explicit position ids, for block-causal and tree attention
     (without gradients, where Triton runs: the flash kernel of tinydiff/kernels/masked_attention.py).
-A `KVCache` holds past keys/values for incremental decoding, with `crop(n)` and `keep(rows)` to
-roll back or compact after speculative verification. `hidden_layers=` returns the residual
-stream after chosen blocks (0 = the embeddings, i = after block i), which DFlash and EAGLE read.
+A `KVCache` holds past keys/values for incremental decoding in buffers of the whole context (gpt-fast's
+static cache, so a compiled step keeps its shapes), with `crop(n)` and `keep(rows)` to roll back or compact
+after speculative verification. `forward` does the host's part (checks, the rows a call writes, the cache's
+length) around `step`, the arithmetic. `hidden_layers=` returns the residual stream after chosen blocks
+(0 = the embeddings, i = after block i), which DFlash and EAGLE read.
 
 Leaves out: dropout (small models on small data, short runs), GQA, sliding windows.
 Follows nanoGPT's model.py and llama2.c's model.py in structure.
@@ -100,11 +102,15 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, preallocated to the model's context.
+    """Keys and values of the positions seen so far, in buffers as long as the model's context.
 
-    `length` counts the valid rows. Speculative decoding writes drafts into the cache and then
-    rolls back: `crop(n)` keeps the first n rows, `keep(rows)` moves the chosen rows (in order) to
-    the front and drops the rest (DDTree keeps the accepted path of a tree this way).
+    gpt-fast's static cache: a forward writes its T new rows in place, at row indices held in a tensor
+    (`rows`), and attention reads every row behind a mask that shows the valid ones. So a step's shapes
+    depend only on T, never on how long the sequence is, and compiling it takes a few lines
+    (tinydiff/fast/compiled.py). `length` counts the valid rows; it is host bookkeeping, read only
+    outside a step. Speculative decoding writes drafts and rolls back: `crop(n)` keeps the first n
+    rows, `keep(rows)` moves the chosen rows (in order) to the front (DDTree keeps a tree's accepted
+    path so). What lies past `length` is junk no mask shows; the next write replaces it.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, device, dtype=torch.float32):
@@ -118,22 +124,24 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    def append(self, layer: int, k, v):
-        """Write k, v (B, H, T, D) after the valid rows; return all keys/values (B, H, length+T, D)."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def rows(self, T: int):
+        """The rows (T,) the next T tokens are written to: length, length + 1, ..."""
+        return torch.arange(self.length, self.length + T, device=self.k[0].device)
+
+    def write(self, layer: int, rows, k, v):
+        """k, v (B, H, T, D) into rows (T,); returns the whole buffers (B, H, capacity, D)."""
+        self.k[layer].index_copy_(2, rows, k)
+        self.v[layer].index_copy_(2, rows, v)
+        return self.k[layer], self.v[layer]
 
     def advance(self, n: int):
         self.length += n
 
     def past(self, new_rows: int):
-        """What new_rows rows read before their own keys: per layer the valid rows' keys and values
-        (B, H, length, D), and the mask over [those; the new rows] (None: all visible). A
-        compiled.StaticCache answers with all its rows and a mask instead, so shapes stay fixed."""
-        n = self.length
-        return [k[:, :, :n] for k in self.k], [v[:, :, :n] for v in self.v], None
+        """What new_rows rows that are not written here (a drafter's block) read before their own keys: every
+        row of every layer, and the mask (1, capacity + new_rows) that shows the valid rows and the new ones."""
+        col = torch.arange(self.capacity + new_rows, device=self.k[0].device)
+        return self.k, self.v, ((col < self.length) | (col >= self.capacity))[None]
 
     def crop(self, n: int):
         if not 0 <= n <= self.length:
@@ -147,7 +155,7 @@ class KVCache:
             raise ValueError(f"keep(): row indices must lie in [0, {self.length})")
         n, rows = len(rows), torch.tensor(rows, device=self.k[0].device, dtype=torch.long)
         for cache in (self.k, self.v):
-            for layer, t in enumerate(cache):
+            for t in cache:
                 t[:, :, :n] = t[:, :, rows].clone()  # clone: source and target rows overlap
         self.length = n
 
@@ -167,11 +175,11 @@ class Attention(nn.Module):
         q, k, v = (w(x).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, mask, is_causal, cache, layer):
+    def forward(self, x, cos, sin, mask, is_causal, cache, rows, layer):
         B, T, D = x.shape
         q, k, v = self.project(x, cos, sin)  # (B, H, T, D/H)
         if cache is not None:
-            k, v = cache.append(layer, k, v)  # (B, H, S, D/H), S = cached + T
+            k, v = cache.write(layer, rows, k, v)  # (B, H, C, D/H): every row; the mask shows the valid ones
         if mask is not None and kernels.for_inference(q):  # skips key tiles the mask hides; no backward
             from tinydiff.kernels.masked_attention import masked_attention  # lazily: see kernels/__init__.py
             y = masked_attention(q, k, v, mask)
@@ -201,8 +209,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn = FeedForward(config)
 
-    def forward(self, x, cos, sin, mask, is_causal, cache, layer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, layer)
+    def forward(self, x, cos, sin, mask, is_causal, cache, rows, layer):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, rows, layer)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -240,11 +248,12 @@ class Transformer(nn.Module):
                 head_at=None):
         """Logits (B, T, V) for token ids idx (B, T).
 
-        pos: position ids (T,) or (B, T); default cache.length + arange(T). Given, without a cache,
-            T may pass the context (block diffusion reads a window twice at the same positions).
+        pos: position ids (T,) or (B, T); default the rows they are written to (cache.length + arange(T)),
+            or arange(T). Given, without a cache, T may pass the context (block diffusion reads a window
+            twice at the same positions).
         mask: bool (T, S) or (B, T, S), True = may attend, S = cached rows + T. Overrides `causal`.
         causal: without a mask, causal (True) or bidirectional (False); default config.causal.
-        cache: a KVCache; the new keys/values are appended and its length advanced by T.
+        cache: a KVCache; the new keys/values are written after its valid rows and its length advanced by T.
         hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
         head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a
             small model's cost, and block diffusion scores only the second half of what it reads.
@@ -255,31 +264,45 @@ class Transformer(nn.Module):
         past = cache.length if cache is not None else 0
         if (cache is not None or pos is None) and past + T > self.config.context:  # explicit pos: any length
             raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {self.config.context}")
-        if pos is None:
-            pos = torch.arange(past, past + T, device=idx.device)
-        elif pos.min() < 0 or pos.max() >= self.config.context:
+        if pos is not None and (pos.min() < 0 or pos.max() >= self.config.context):
             raise UserError(f"position ids must lie in [0, {self.config.context}), the model's context")
+        causal = self.config.causal if causal is None else causal
+        if mask is not None and mask.shape[-2:] != (T, past + T):
+            raise ValueError(f"mask must end in shape ({T}, {past + T}), got {tuple(mask.shape)}")
+        rows = None
+        if cache is not None:
+            rows = cache.rows(T)
+            if mask is None and not causal:  # every valid row and every new one
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device)
+            if mask is not None:  # over all the cache's rows: those past the new ones stay hidden
+                mask = F.pad(mask, (0, cache.capacity - past - T), value=False)
+        out = self.step(idx, pos, mask, cache, rows, causal and mask is None and cache is None, hidden_layers,
+                        head_from, head_at)
+        if cache is not None:
+            cache.advance(T)
+        return out
+
+    def step(self, idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0, head_at=None):
+        """The forward's arithmetic, on tensors only, never the cache's host `length`: what
+        tinydiff/fast/compiled.py compiles. With a cache and no mask it reads causally: the token written
+        at row r sees rows 0..r (rows are positions in a chain). mask: (T, C) or (B, T, C) over the cache's
+        rows (C = capacity), or (T, T) without a cache; is_causal: no mask, no cache, causal."""
+        B, T = idx.shape
+        if pos is None:
+            pos = rows if rows is not None else torch.arange(T, device=idx.device)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, D/2) or (B, T, D/2)
         cos, sin = (c.unsqueeze(-3) if c.dim() == 3 else c.view(1, 1, T, -1) for c in (cos, sin))
-        is_causal = False
-        if mask is not None:
-            if mask.shape[-2:] != (T, past + T):
-                raise ValueError(f"mask must end in shape ({T}, {past + T}), got {tuple(mask.shape)}")
-            mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (B, 1, T, S): shared by heads
-        elif self.config.causal if causal is None else causal:
-            if past == 0:
-                is_causal = True  # SDPA's fast path; its mask is aligned top-left, right only without a cache
-            elif T > 1:
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device).tril(past)
+        if cache is not None and mask is None:
+            mask = torch.arange(cache.capacity, device=idx.device) <= rows[:, None]  # (T, C)
+        elif mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(-3)  # (B, 1, T, S): shared by heads
         x = self.embed(idx)  # (B, T, D)
         taps = set(hidden_layers or ())
         hidden = {0: x} if 0 in taps else {}
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, is_causal, cache, i)
+            x = block(x, cos, sin, mask, is_causal, cache, rows, i)
             if i + 1 in taps:
                 hidden[i + 1] = x
-        if cache is not None:
-            cache.advance(T)
         if head_at is None:
             x = x[:, head_from:]
         elif isinstance(head_at, int):  # one position per row: the same for all ...

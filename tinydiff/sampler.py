@@ -23,15 +23,14 @@ Variants, each off by default:
     committed token is a fair sample of its position (one token per step: ancestral sampling in
     that order); confidence ranks the draws themselves and commits whichever position drew a
     likely token, a mode. For a model sure of many positions that collapses diversity;
-  - `revise` (self-correction, DiffusionGemma-style): after a block is full, `revise` extra steps
-    each re-mask the block's lowest-confidence token and predict it again with the finished block
-    in view;
   - `block_causal`: attention across blocks is causal (a block sees the prompt, earlier blocks and
     itself), inside a block bidirectional: the attention `generate_cached` needs.
 `generate_cached` is the block-causal sampler with a KV cache of the finished prefix (BD3-LM,
 Fast-dLLM): each step runs the current block only. Same tokens as `generate(block_causal=True)`.
 A shifted model (diffusion.py: adapted from an AR checkpoint) predicts position i at output i-1,
 so the block's logits are read one position earlier; the prompt is never empty, so that exists.
+Variants in tinydiff/extras/: self-correction (self_correction.py), lossless self-speculation
+(self_speculative.py), an AR draft for the diffusion LM (drafted_diffusion.py).
 Leaves out: classifier-free guidance, batched prompts, approximate (stale) prefix caching.
 """
 import time
@@ -164,32 +163,49 @@ class Trace:
     def __init__(self, callback):
         self.callback, self.forwards, self.start = callback, 0, time.perf_counter()
 
-    def step(self, canvas, block, committed, revised=()):
+    def step(self, canvas, block, committed, **more):
         if self.callback is not None:
-            self.callback({"forward": self.forwards, "block": block, "canvas": canvas.clone(),
-                           "committed": committed, "revised": list(revised)})
+            self.callback({"forward": self.forwards, "block": block, "canvas": canvas.clone(), "committed": committed,
+                           **more})
 
     def result(self, new_tokens: int, device) -> Decoded:
         return Decoded(new_tokens=new_tokens, forwards=self.forwards, seconds=elapsed(self.start, device))
 
 
+def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_steps: int, trace, temperature,
+               remasking, threshold, entropy_bound, generator, confidences):
+    """Block b (canvas[lo:lo+block_length]) filled, one forward a step (block_logits(lo) -> (N, V)): LLaDA's
+    schedule, or with a threshold or entropy bound as many a step as pass it, until no MASK is left."""
+    schedule = commit_schedule(block_length, block_steps)
+    step = 0
+    while (canvas[lo:lo + block_length] == MASK).any():
+        count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
+        committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking, generator,
+                           confidences, entropy_bound)
+        trace.step(canvas, b, committed)
+        step += 1
+
+
+def start_canvas(model, prompt, gen_length):
+    """The canvas (L,): the prompt then gen_length MASKs; each position's commit confidence (inf: the prompt)."""
+    canvas = torch.tensor(prompt + [MASK] * gen_length, device=model.embed.weight.device)  # (L,)
+    return canvas, torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=canvas.device)
+
+
 @torch.no_grad()
 def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
-             remasking="low_confidence", threshold=None, revise=0, block_causal=False,
-             generator=None, callback=None, entropy_bound=None):
-    """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, tally.Decoded)."""
+             remasking="low_confidence", threshold=None, block_causal=False, generator=None, callback=None,
+             entropy_bound=None):
+    """Fill `gen_length` MASKs after `prompt` (list of ids); returns (new ids, ar.Decoded).
+    block_causal: a block sees the prompt, earlier blocks and itself (generate_cached's attention)."""
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
                                      remasking, threshold, entropy_bound)
-    if revise < 0:
-        raise UserError(f"revise must be >= 0, got {revise}")
-    device = model.embed.weight.device
     P = len(prompt)
-    canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
-    confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
+    canvas, confidences = start_canvas(model, prompt, gen_length)
     mask = None
     if block_causal:  # the prompt is block 0, answer block b is block b + 1
         block_ids = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(gen_length) // block_length])
-        mask = block_causal_mask(block_ids.to(device))
+        mask = block_causal_mask(block_ids.to(canvas.device))
     trace = Trace(callback)
 
     def block_logits(lo):
@@ -199,22 +215,9 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
         return logits[first:first + block_length]  # positions after the block are never committed
 
     for b in range(blocks):
-        lo = P + b * block_length
-        schedule = commit_schedule(block_length, block_steps)
-        step = 0
-        while (canvas[lo:lo + block_length] == MASK).any():
-            count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
-            committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
-                               generator, confidences, entropy_bound)
-            trace.step(canvas, b, committed)
-            step += 1
-        for _ in range(revise):
-            worst = lo + int(confidences[lo:lo + block_length].argmin())
-            canvas[worst] = MASK
-            committed = commit(canvas, lo, block_logits(lo), 1, None, temperature, remasking,
-                               generator, confidences)
-            trace.step(canvas, b, committed, revised=[worst])
-    return canvas[P:].tolist(), trace.result(gen_length, device)
+        fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
+                   remasking, threshold, entropy_bound, generator, confidences)
+    return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
 
 
 def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int, at=None):
@@ -252,10 +255,8 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
     """
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature,
                                      remasking, threshold, entropy_bound)
-    device = model.embed.weight.device
     P = len(prompt)
-    canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
-    confidences = torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=device)
+    canvas, confidences = start_canvas(model, prompt, gen_length)
     cache = model.new_cache(1)
     trace = Trace(callback)
 
@@ -264,13 +265,6 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
         return prefix_cached_logits(model, canvas[None], cache, lo, P, block_length)[0]
 
     for b in range(blocks):
-        lo = P + b * block_length
-        schedule = commit_schedule(block_length, block_steps)
-        step = 0
-        while (canvas[lo:lo + block_length] == MASK).any():
-            count = schedule[step] if step < block_steps else None
-            committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking,
-                               generator, confidences, entropy_bound)
-            trace.step(canvas, b, committed)
-            step += 1
-    return canvas[P:].tolist(), trace.result(gen_length, device)
+        fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
+                   remasking, threshold, entropy_bound, generator, confidences)
+    return canvas[P:].tolist(), trace.result(gen_length, canvas.device)

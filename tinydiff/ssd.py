@@ -36,16 +36,11 @@ fresh stream). Neither stream depends on when the other thread runs, so threaded
 runs give the same tokens and counts for one seed. Near a full context (prompt + new tokens + K - 2
 > the draft's context) the last run-aheads have no room for whole speculations: those lookups miss.
 
-Two executions of the same algorithm (`threaded`):
-  False  the accounting mode: the run-ahead runs inline; forwards are counted and priced with
-         per-forward costs (measured, or `costs=(draft_s, target_s)`) as if the draft had its own
-         device, where a batched forward over a few rows costs one forward:
-           SD   = rounds * target_s + proposed * draft_s            (drafts one forward each)
-           SSD  = sum over rounds of jit * draft_s + max(target_s, ahead * draft_s)
-         jit = draft forwards run just in time before the round (a miss, or the first round),
-         ahead = run-ahead forwards launched during its verification.
-  True   the real overlap: the run-ahead in a second Python thread (torch releases the GIL inside
-         its ops; give each side a core) or, on a GPU, on a second CUDA stream from that thread.
+Two executions of the same algorithm (`threaded`): True, the real overlap (the run-ahead in a second
+Python thread, torch releasing the GIL inside its ops: give each side a core; on a GPU a second CUDA
+stream from that thread); False, the run-ahead inline (the same tokens and counts: the tests' way).
+Each round reports its just-in-time and run-ahead forwards, from which the bench prices SSD with the
+draft on its own device (tinydiff/bench/measure.py: `modelled_seconds`).
 Caches: the target's as in speculative.py; the draft's holds a prefix of seq[:-1] between rounds,
 and after a hit the hit branch's own K/V rows are copied in (`adopt`), so the next catch-up is one
 token, as after drafting just in time.
@@ -55,7 +50,7 @@ speculator for misses, batches of prompts, running the draft on another device.
 """
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -227,23 +222,6 @@ class Overlap:
             self.pool.shutdown()
 
 
-@torch.no_grad()
-def forward_seconds(model, seq, reps: int = 5) -> float:
-    """Median seconds of one single-token KV-cached forward after seq: decoding's unit cost."""
-    device = model.embed.weight.device
-    cache = model.new_cache(1)
-    model(torch.tensor([seq], device=device), cache=cache, causal=True)
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        model(torch.tensor([seq[-1:]], device=device), cache=cache, causal=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
-        cache.crop(len(seq))
-    return sorted(times)[reps // 2]
-
-
 @dataclass(frozen=True, kw_only=True)
 class SsdDecoded(Speculated):
     """draft_forwards = jit_forwards + ahead_forwards (a batched run-ahead forward counts once)."""
@@ -252,105 +230,38 @@ class SsdDecoded(Speculated):
     jit_forwards: int  # draft forwards run just in time (a miss, or the first round)
     ahead_forwards: int  # run-ahead forwards
     branches: int  # speculations pre-drafted
-    seconds_jit: float
     seconds_waiting: float  # the main thread waiting for the run-ahead after verification
-    draft_forward_seconds: float  # the per-forward costs the modelled times price
-    target_forward_seconds: float
-    modelled_seconds_ssd: float
     threaded: bool
-    DERIVED = Speculated.DERIVED + ("hit_rate", "seconds_jit_avoided", "seconds_hidden", "modelled_seconds_sd",
-                                    "modelled_speedup")
+    DERIVED = Speculated.DERIVED + ("hit_rate",)
 
     @property
     def hit_rate(self) -> float | None:
         return sum(self.hits) / sum(self.lookups) if sum(self.lookups) else None
 
-    @property
-    def seconds_jit_avoided(self) -> float:
-        """The drafts not drafted just in time (hits) times the measured seconds per such forward."""
-        per_forward = self.seconds_jit / self.jit_forwards if self.jit_forwards else self.draft_forward_seconds
-        return per_forward * (self.proposed - self.jit_forwards)
 
-    @property
-    def modelled_seconds_sd(self) -> float:
-        """Plain speculative decoding's time at the same forward costs: a target forward per round, a
-        draft forward per draft."""
-        return self.rounds * self.target_forward_seconds + self.proposed * self.draft_forward_seconds
-
-    @property
-    def seconds_hidden(self) -> float:
-        """Negative when the run-ahead outlasts verification."""
-        return self.seconds_jit_avoided - self.seconds_waiting
-
-    @property
-    def modelled_speedup(self) -> float | None:
-        return self.modelled_seconds_sd / self.modelled_seconds_ssd if self.modelled_seconds_ssd else None
-
-
-@dataclass
-class SsdTally:
-    """What an SSD run counts beyond tally.Tally's (`rounds`), and the result it reports."""
-    k: int
-    draft_s: float  # the per-forward costs the modelled times price
-    target_s: float
-    rounds: Tally = field(init=False)  # its draft_forwards: jit + ahead (a batched forward counts once)
-    hits: list = field(init=False)  # speculation-cache lookups that hit, per accepted count
-    lookups: list = field(init=False)
-    jit: int = 0  # draft forwards run just in time (a miss, or the first round)
-    ahead: int = 0  # run-ahead forwards
-    branches: int = 0  # speculations pre-drafted
-    seconds_jit: float = 0.0
-    seconds_waiting: float = 0.0  # the main thread waiting for the run-ahead after verification
-    modelled_ssd: float = 0.0
-
-    def __post_init__(self):
-        self.rounds, self.hits, self.lookups = Tally(self.k), [0] * (self.k + 1), [0] * (self.k + 1)
-
-    def add_round(self, n: int, n_drafts: int, jit: int, ahead: int, branches: int, seconds_jit: float):
-        self.rounds.add(n, n_drafts, jit + ahead)
-        self.jit, self.ahead, self.branches = self.jit + jit, self.ahead + ahead, self.branches + branches
-        self.seconds_jit += seconds_jit
-        self.modelled_ssd += jit * self.draft_s + max(self.target_s, ahead * self.draft_s)
-
-    def add_lookup(self, n: int, hit: bool):
-        self.lookups[n] += 1
-        self.hits[n] += hit
-
-    def result(self, out, device, threaded: bool) -> SsdDecoded:
-        return self.rounds.result(
-            out, device, SsdDecoded, hits=list(self.hits), lookups=list(self.lookups), jit_forwards=self.jit,
-            ahead_forwards=self.ahead, branches=self.branches, seconds_jit=self.seconds_jit,
-            seconds_waiting=self.seconds_waiting, draft_forward_seconds=self.draft_s,
-            target_forward_seconds=self.target_s, modelled_seconds_ssd=self.modelled_ssd, threaded=threaded)
-
-
-def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args, costs, generator,
-                   ahead_generator):
-    """The checked arguments: (fan_out list, new tokens, (draft_s, target_s), the run-ahead's generator)."""
+def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args, generator, ahead_generator):
+    """The checked arguments: (fan_out list, new tokens, the run-ahead's generator)."""
     if not isinstance(k, int) or k < 1:
         raise UserError(f"k (drafts per round) must be an integer >= 1, got {k!r}")
     fan_out = check_fan_out(fan_out, k)
     check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     check_models(target, draft, len(prompt) + n_new)
-    if costs is None:
-        costs = (forward_seconds(draft, prompt), forward_seconds(target, prompt))
-    if len(costs) != 2 or min(costs) < 0:
-        raise UserError(f"costs must be (draft_seconds, target_seconds), both >= 0, got {costs!r}")
     if ahead_generator is None:  # one draw of the main stream seeds the run-ahead's own stream
         seed = torch.randint(2 ** 62, (), generator=generator, device=generator.device if generator else "cpu")
         ahead_generator = torch.Generator(target.embed.weight.device).manual_seed(int(seed))
-    return fan_out, n_new, tuple(costs), ahead_generator
+    return fan_out, n_new, ahead_generator
 
 
-def look_up(entries, n: int, token: int, m: int, draft_cache, seq, tally: SsdTally):
+def look_up(entries, n: int, token: int, m: int, draft_cache, seq, hits, lookups):
     """The next round's speculation for the outcome (n accepted, then `token`), or None; a hit's own
     K/V rows join the draft's cache (no recomputing them next round). Returns (speculation, cached)."""
     if m < 1:
         return None, None
     found = entries.get((n, token))
     cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
-    tally.add_lookup(n, cached)
+    lookups[n] += 1
+    hits[n] += cached
     if cached:
         adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
     return (found[:2] if cached else None), cached
@@ -358,28 +269,27 @@ def look_up(entries, n: int, token: int, m: int, draft_cache, seq, tally: SsdTal
 
 @torch.no_grad()
 def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=0.0, top_k=None, top_p=None,
-                 generator=None, stop_token=EOT, threaded=False, on_round=None, costs=None, ahead_generator=None):
+                 generator=None, stop_token=EOT, threaded=False, on_round=None, ahead_generator=None):
     """Speculative decoding whose draft pre-drafts the next round during verification (see above).
 
-    Arguments as speculative_generate, plus fan_out (int or k+1 ints), threaded, costs
-    (draft_s, target_s) for the modelled times (default: measured before the timer starts) and
-    ahead_generator (the run-ahead's random stream). on_round(info) after every round: drafts, q,
-    cached (this round's drafts came from the cache: True, after a miss: False, no lookup: None),
-    accepted, tokens, seq, keys (the (k, bonus) the run-ahead stored), jit_forwards,
-    ahead_forwards, times ({"jit", "verify", "ahead"}: (start, end) seconds into the run or
-    None), target_cache, draft_cache.
+    Arguments as speculative_generate, plus fan_out (int or k+1 ints), threaded, and ahead_generator (the
+    run-ahead's random stream). on_round(info) after every round: drafts, q, cached (this round's drafts
+    came from the cache: True, after a miss: False, no lookup: None), accepted, tokens, seq, keys (the
+    (k, bonus) the run-ahead stored), jit_forwards, ahead_forwards, times ({"jit", "verify", "ahead"}:
+    (start, end) seconds into the run or None), target_cache, draft_cache.
 
-    Returns (new ids, tally.SsdDecoded).
+    Returns (new ids, SsdDecoded).
     """
     warp_args = (temperature, top_k, top_p)
-    fan_out, n_new, costs, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out,
-                                                            warp_args, costs, generator, ahead_generator)
+    fan_out, n_new, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args,
+                                                     generator, ahead_generator)
     device = target.embed.weight.device
     target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
     seq, out, speculation, cached = list(prompt), [], None, None
     overlap = Overlap(threaded, device)
-    tally = SsdTally(k, *costs)
-    start = tally.rounds.start
+    tally, hits, lookups = Tally(k), [0] * (k + 1), [0] * (k + 1)
+    jit_total = ahead_total = branches = 0
+    waiting = 0.0
     try:
         while len(out) < n_new:
             n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
@@ -397,14 +307,16 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
             t3 = time.perf_counter()  # ... the target verifies
             (entries, ahead_forwards), ahead_times = ahead() if ahead else (({}, 0), None)
             if ahead:
-                tally.seconds_waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
+                waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
             tokens, stopped = cut_at_stop(drafts[:n].tolist() + [token], stop_token)  # commit
             seq += tokens
             out += tokens
             target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
             draft_cache.crop(min(draft_cache.length, len(seq) - 1))
-            tally.add_round(n, n_drafts, jit, ahead_forwards, len(entries), t1 - t0)
+            tally.add(n, n_drafts, jit + ahead_forwards)
+            jit_total, ahead_total, branches = jit_total + jit, ahead_total + ahead_forwards, branches + len(entries)
             if on_round is not None:
+                start = tally.start
                 spans = {"jit": (t0, t1) if jit else None, "verify": (t2, t3), "ahead": ahead_times}
                 on_round({"drafts": drafts.tolist(), "q": q, "cached": cached, "accepted": n, "tokens": tokens,
                           "seq": list(seq), "keys": list(entries), "jit_forwards": jit,
@@ -412,7 +324,10 @@ def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=
                           "times": {key: span and (span[0] - start, span[1] - start) for key, span in spans.items()}})
             if stopped:
                 break
-            speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, tally)
+            speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, hits,
+                                          lookups)
     finally:
         overlap.close()
-    return out, tally.result(out, device, threaded)
+    return out, tally.result(out, device, SsdDecoded, hits=hits, lookups=lookups, jit_forwards=jit_total,
+                             ahead_forwards=ahead_total, branches=branches, seconds_waiting=waiting,
+                             threaded=threaded)

@@ -275,9 +275,9 @@ def test_drafters_trained_on_the_float_target_decode_its_fp4_version(ar_moe_ckpt
         return json.loads(res.stdout)["ids"]
 
     expected = ids("ar")
-    assert ids("dflash", "--drafter", tmp_path / "dflash" / "ckpt.pt") == expected
-    assert ids("ddtree", "--drafter", tmp_path / "dflash" / "ckpt.pt", "--budget", 8) == expected
-    assert ids("eagle3", "--drafter", tmp_path / "eagle" / "ckpt.pt") == expected
+    assert ids("dflash", "--draft", tmp_path / "dflash" / "ckpt.pt") == expected
+    assert ids("ddtree", "--draft", tmp_path / "dflash" / "ckpt.pt", "--budget", 8) == expected
+    assert ids("eagle3", "--draft", tmp_path / "eagle" / "ckpt.pt") == expected
     report = bench.main(["--ckpt", str(tmp_path / "fp4.pt"), "--drafter", str(tmp_path / "dflash" / "ckpt.pt"),
                          "--methods", "ar,dflash-b8,ddtree-n8", "--new-tokens", "8", "--prompts", "1"])
     rows = {r["method"]: r for r in report["rows"]}
@@ -301,7 +301,7 @@ def test_what_does_not_apply_to_an_ar_moe_is_refused_in_one_line(ar_moe_ckpt, st
     for main, args, message in (
             (generate.main, [*prompt, "--method", "diffusion"], "needs a mdlm or mdlm-moe checkpoint"),
             (generate.main, [*prompt, "--compile"], "--compile does not cover mixture-of-experts"),
-            (generate.main, [*prompt, "--method", "dflash"], "needs --drafter"),
+            (generate.main, [*prompt, "--method", "dflash"], "needs --draft"),
             (export.main, ["--ckpt", ar_moe_ckpt, "--out", tmp_path / "llama", "--layout", "llama"], "not a Llama")):
         res = run_in_process(main, *args)
         assert res.returncode == 1 and message in last_line(res.stderr), res.stderr

@@ -16,13 +16,14 @@ from stats_helpers import (
     random_model,
     sample_counts,
 )
+from dflash_models import dflash_with_rule as dflash_generate
 from table_models import TableTarget
 
 import train
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.ddtree import ddtree_generate
-from tinydiff.dflash import argmax_drafts, dflash_generate, dflash_loss, sampled_drafts
+from tinydiff.dflash import dflash_loss
+from tinydiff.extras.markov_head import markov_ddtree_generate, markov_drafts, markov_loss
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
@@ -49,7 +50,7 @@ def test_a_zero_head_is_exactly_plain_dflash(models):
     zero = same_but_zero_head(plain, markov)
     windows = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(3))
     assert torch.equal(dflash_loss(plain, windows, torch.Generator().manual_seed(4))[0],
-                       dflash_loss(zero, windows, torch.Generator().manual_seed(4))[0])
+                       markov_loss(zero, windows, torch.Generator().manual_seed(4))[0])
     prompt = [EOT, 464, 3290]
     for rule, temperature in (("match", 0.0), ("match", 1.0), ("reject", 1.0)):
         ours, theirs = (dflash_generate(target, d, prompt, 20, temperature=temperature, rule=rule, stop_token=None,
@@ -69,15 +70,15 @@ def test_greedy_drafts_are_the_argmax_chain_of_the_biased_logits_and_the_output_
         previous = int(row[:MASK].argmax())
         chain.append(previous)
         rows.append(row)
-    drafts, q, _ = argmax_drafts(logits, (0.0, None, None), None, markov.markov, 464)
+    drafts, q = markov_drafts(markov, logits, 464, (0.0, None, None))
     assert drafts.tolist() == chain and q is None and chain != logits[:, :MASK].argmax(-1).tolist()
-    sampled, q, _ = sampled_drafts(logits, (0.0, None, None), None, markov.markov, 464)  # "reject" at T = 0
+    sampled, q = markov_drafts(markov, logits, 464, (0.0, None, None), sampled=True)  # "reject" at T = 0
     assert sampled.tolist() == chain and torch.equal(q, next_token_probs(torch.stack(rows), 0.0))
     prompt = [EOT, 464]
     greedy = ar_generate(target, prompt, 24, temperature=0, stop_token=None)[0]
     for rule in ("match", "reject"):  # lossless at T = 0: the target's greedy text
         assert dflash_generate(target, markov, prompt, 24, temperature=0, stop_token=None, rule=rule)[0] == greedy
-    assert ddtree_generate(target, markov, prompt, 24, budget=6, temperature=0, stop_token=None)[0] == greedy
+    assert markov_ddtree_generate(target, markov, prompt, 24, budget=6, temperature=0, stop_token=None)[0] == greedy
 
 
 @pytest.mark.parametrize("rule", ["match", "reject"])
@@ -101,7 +102,7 @@ def test_training_biases_each_slot_by_the_texts_previous_token(models):
     with torch.no_grad():
         zero.markov.up.weight.normal_(0, 1.0)
     windows = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(7))
-    loss, _ = dflash_loss(zero, windows, torch.Generator().manual_seed(8))
+    loss, _ = markov_loss(zero, windows, torch.Generator().manual_seed(8))
     assert not torch.equal(loss, dflash_loss(plain, windows, torch.Generator().manual_seed(8))[0])
     loss.backward()
     assert zero.markov.up.weight.grad.abs().sum() > 0 and zero.markov.down.weight.grad.abs().sum() > 0

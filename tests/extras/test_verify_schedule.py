@@ -1,4 +1,4 @@
-"""Spec: DSpark's confidence-scheduled verify length on DFlash (dflash_decode.confident_prefix).
+"""Spec: DSpark's confidence-scheduled verify length on DFlash (extras/dflash_reject.py: confident_prefix).
 
 The target verifies the drafts before the first slot the drafter gives under min_confidence (at
 least one). The cut is computed by hand from the drafter's own logits; every rule stays lossless
@@ -22,11 +22,12 @@ from stats_helpers import (
     recorded_run,
     sample_counts,
 )
+from dflash_models import dflash_with_rule as dflash_generate
 from table_models import Oracle, TableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.dflash import confident_prefix, dflash_generate
+from tinydiff.extras.dflash_reject import confident_prefix
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
 

@@ -1,11 +1,11 @@
-"""Every method's `--compile` loop as the bench and generate.py build it, and its eager twin, on small
-random models: shared by tests/test_cuda_graph_rules.py (the CUDA-graph conditions, on a CPU),
-tests/test_cuda_graphs.py (the same loops replaying CUDA graphs, on a GPU) and tests/test_cache_buffers.py
-(the loops uncompiled, on buffers a story left junk in). Not a test file.
+"""Every method's `--compile` loop as the bench and generate.py build it (the loop itself on compiled steps,
+or a fused round), and its eager twin, on small random models: shared by test_cuda_graph_rules.py (the
+CUDA-graph conditions, on a CPU), test_cuda_graphs.py (the same loops replaying CUDA graphs, on a GPU) and
+test_cache_buffers.py (the loops uncompiled, on buffers a story left junk in). Not a test file.
 
-The compiled loops' wrappers are built once per method (`compiled_loops`), so every story meets the same
-graphs and, where steps replay CUDA graphs, the same cache buffers. The default prompt is longer than one
-prefill chunk, so the fused loops' chunked prefill graphs run too.
+The compiled models are built once per method (`compiled_loops`), so every story meets the same graphs and,
+where steps replay CUDA graphs, the same cache buffers. The default prompt is longer than one prefill chunk,
+so the fused loops' chunked prefill graphs run too.
 """
 from typing import Callable, NamedTuple
 
@@ -17,11 +17,11 @@ from tinydiff.ar import ar_generate
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import dflash_generate
 from tinydiff.eagle3 import eagle_generate
-from tinydiff.fast.compiled import StaticDrafter, StaticModel
+from tinydiff.extras.dflash_reject import dflash_reject_generate
+from tinydiff.fast.compiled import compiled
 from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, subset_draft_round
-from tinydiff.fast.fused_ddtree import FusedDDTree, fused_ddtree_generate
-from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
+from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
 from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.model import ModelConfig
@@ -31,8 +31,8 @@ from tinydiff.speculative import speculative_generate
 PROMPT, NEW = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 12  # longer than one prefill chunk
 K, BLOCK, BUDGET, STEPS, CANVAS = 3, 4, 6, 3, 8  # drafts a round, DFlash block, tree nodes, AR steps a graph
 CONTEXT, SMALLEST_WIDTH = 40, 16
-METHODS = ["ar", "ar-steps", "ar-static", "spec", "spec-fused", "spec-fr-round", "spec-fr-fused", "dflash",
-           "dflash-fused", "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "eagle3-tree", "diffusion-cached"]
+METHODS = ["ar", "ar-steps", "spec", "spec-fused", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
+           "dflash-fused-reject", "ddtree", "eagle3", "eagle3-tree", "diffusion-cached"]
 assert len(PROMPT) > PREFILL_CHUNK + 1
 
 
@@ -50,7 +50,7 @@ def models(device="cpu", dtype=torch.float32) -> dict:
 
 class Loop(NamedTuple):
     decode: Callable  # decode(temperature, generator, prompt=PROMPT, new=NEW) -> (tokens, stats)
-    wrappers: list    # the Static* wrappers that own its cache buffers
+    wrappers: list    # the compiled models (fast/compiled.compiled) that own its cache buffers
 
 
 def story(run) -> Callable:
@@ -64,30 +64,29 @@ def diffusion(mdlm) -> Callable:  # two blocks of CANVAS tokens, one a step, wha
 
 
 def compiled_loops(m, compile=True) -> dict:
-    """Each method's compiled loop, name -> Loop; with compile=False the same wrappers on eager steps."""
+    """Each method's compiled loop, name -> Loop; with compile=False the same models on eager steps."""
     t = m["target"]
-    ar, steps = (FusedSteps(StaticModel(t, (PREFILL_CHUNK,), compile), n, compile) for n in (1, STEPS))
-    spec = StaticModel(t, (K + 1,), compile), StaticModel(m["draft"], (1, 2), compile)
+    steps = FusedSteps(t, STEPS, compile)
+    ar = compiled(t, (1,), compile)
+    spec = compiled(t, (K + 1,), compile), compiled(m["draft"], (1, 2), compile)
     spec_fused = fused_speculation(t, m["draft"], K, compile)
-    fr = StaticModel(t, (K + 1,), compile), StaticSubsetDraft(m["draft_fr"], K, compile)
+    fr = compiled(t, (K + 1,), compile), StaticSubsetDraft(m["draft_fr"], K, compile)
     fr_fused = fused_speculation(t, m["draft_fr"], K, compile)
-    dflash, ddtree = [(StaticModel(t, (n,), compile), StaticDrafter(m["drafter"], compile=compile))
+    dflash, ddtree = [(compiled(t, (n,), compile), compiled(m["drafter"], (BLOCK,), compile))
                       for n in (BLOCK, BUDGET + 1)]
-    dflash_fused = [FusedDFlash(*static_pair(t, m["drafter"], compile), compile=compile) for _ in ("match", "reject")]
-    ddtree_fused = FusedDDTree(*static_pair(t, m["drafter"], compile), BUDGET, compile=compile)
-    ar_static, eagle, eagle_tree = (StaticModel(t, (n,), compile) for n in (1, K + 1, BUDGET + 1))
-    mdlm = StaticModel(m["mdlm"], (CANVAS, 2 * CANVAS), compile)
+    dflash_fused = [FusedDFlash(t, m["drafter"], compile=compile) for _ in ("match", "reject")]
+    eagle, eagle_tree = (compiled(t, (n,), compile) for n in (K + 1, BUDGET + 1))
+    mdlm = compiled(m["mdlm"], (CANVAS, 2 * CANVAS), compile)
     loops = {
-        "ar": Loop(story(lambda p, n, c: multi_step_generate(ar, p, n, **c)), [ar.model]),
+        "ar": Loop(story(lambda p, n, c: ar_generate(ar, p, n, **c)), [ar]),
         "ar-steps": Loop(story(lambda p, n, c: multi_step_generate(steps, p, n, **c)), [steps.model]),
-        "ar-static": Loop(story(lambda p, n, c: ar_generate(ar_static, p, n, **c)), [ar_static]),
         "spec": Loop(story(lambda p, n, c: speculative_generate(*spec, p, n, K, **c)), list(spec)),
         "spec-fused": Loop(story(lambda p, n, c: fused_speculative_generate(spec_fused, p, n, **c)),
-                           [spec_fused.target, spec_fused.draft]),
+                           [spec_fused.target, spec_fused.draft.draft]),
         "spec-fr-round": Loop(story(lambda p, n, c: speculative_generate(*fr, p, n, K, propose=fr[1].propose, **c)),
-                              list(fr)),
+                              [fr[0], fr[1].draft]),
         "spec-fr-fused": Loop(story(lambda p, n, c: fused_speculative_generate(fr_fused, p, n, **c)),
-                              [fr_fused.target, fr_fused.draft]),
+                              [fr_fused.target, fr_fused.draft.draft]),
         "dflash": Loop(story(lambda p, n, c: dflash_generate(*dflash, p, n, **c)), list(dflash)),
         "dflash-fused": Loop(story(lambda p, n, c: fused_dflash_generate(dflash_fused[0], p, n, **c)),
                              [dflash_fused[0].target, dflash_fused[0].drafter]),
@@ -95,8 +94,6 @@ def compiled_loops(m, compile=True) -> dict:
                                                                                 **c)),
                                     [dflash_fused[1].target, dflash_fused[1].drafter]),
         "ddtree": Loop(story(lambda p, n, c: ddtree_generate(*ddtree, p, n, budget=BUDGET, **c)), list(ddtree)),
-        "ddtree-fused": Loop(story(lambda p, n, c: fused_ddtree_generate(ddtree_fused, p, n, **c)),
-                             [ddtree_fused.target, ddtree_fused.drafter]),
         "eagle3": Loop(story(lambda p, n, c: eagle_generate(eagle, m["head"], p, n, k=K, **c)), [eagle]),
         "eagle3-tree": Loop(story(lambda p, n, c: eagle_generate(eagle_tree, m["head"], p, n, budget=BUDGET, **c)),
                             [eagle_tree]),
@@ -114,10 +111,11 @@ def eager_loops(m) -> dict:
     fr = story(lambda p, n, c: speculative_generate(t, m["draft_fr"], p, n, K, propose=subset_draft_round, **c))
     dflash = story(lambda p, n, c: dflash_generate(t, drafter, p, n, **c))
     ddtree = story(lambda p, n, c: ddtree_generate(t, drafter, p, n, budget=BUDGET, **c))
-    loops = {"ar": ar, "ar-steps": ar, "ar-static": ar, "spec": spec, "spec-fused": spec, "spec-fr-round": fr,
+    loops = {"ar": ar, "ar-steps": ar, "spec": spec, "spec-fused": spec, "spec-fr-round": fr,
              "spec-fr-fused": fr, "dflash": dflash, "dflash-fused": dflash,
-             "dflash-fused-reject": story(lambda p, n, c: dflash_generate(t, drafter, p, n, rule="reject", **c)),
-             "ddtree": ddtree, "ddtree-fused": ddtree,
+             "dflash-fused-reject": story(lambda p, n, c: dflash_reject_generate(t, drafter, p, n, rule="reject",
+                                                                                 **c)),
+             "ddtree": ddtree,
              "eagle3": story(lambda p, n, c: eagle_generate(t, head, p, n, k=K, **c)),
              "eagle3-tree": story(lambda p, n, c: eagle_generate(t, head, p, n, budget=BUDGET, **c)),
              "diffusion-cached": diffusion(m["mdlm"])}

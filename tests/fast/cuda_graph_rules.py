@@ -22,6 +22,7 @@ address makes the graph tree record the graph again (keeping the old recording),
 static inputs' addresses at every call. Not a test file.
 """
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -29,7 +30,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tinydiff.fast.compiled import StaticCache, Wrapped, own_frame
+from tinydiff.fast.compiled import own_frame
+from tinydiff.model import KVCache
 
 
 @dataclasses.dataclass
@@ -87,14 +89,12 @@ class Recorder:
 
 
 def reachable_modules(fn) -> list:
-    """Every module a step function reaches: through its closure, its bound self, wrappers (Wrapped) and
-    the modules a module keeps unregistered (a DFlash drafter's borrowed target)."""
+    """Every module a step function reaches: through its closure, its bound self and the modules a module
+    keeps unregistered (a DFlash drafter's borrowed target)."""
     seen, todo = [], [fn]
     while todo:
         x = todo.pop()
-        if isinstance(x, Wrapped):
-            todo.append(x.module)
-        elif isinstance(x, torch.nn.Module):
+        if isinstance(x, torch.nn.Module):
             if not any(x is m for m in seen):
                 seen.append(x)
                 todo += list(x.children()) + [v for v in vars(x).values() if isinstance(v, torch.nn.Module)]
@@ -105,11 +105,11 @@ def reachable_modules(fn) -> list:
 
 
 def on_meta(x):
-    """x (a tensor, a StaticCache, or a list or tuple of them) on the meta device: shapes, no data."""
+    """x (a tensor, a KVCache, or a list or tuple of them) on the meta device: shapes, no data."""
     if isinstance(x, torch.Tensor):
         return x.to("meta")
-    if isinstance(x, StaticCache):
-        cache = x.emptied()
+    if isinstance(x, KVCache):
+        cache = copy.copy(x)
         cache.k, cache.v = on_meta(x.k), on_meta(x.v)
         return cache
     if isinstance(x, (list, tuple)):

@@ -1,15 +1,15 @@
-"""Spec: static-shape decoding, compiled (tinydiff/fast/compiled.py), decodes exactly as the eager loops do.
+"""Spec: compiled decoding (tinydiff/fast/compiled.py) decodes exactly as the eager loops do.
 
-Every method of the library run on StaticModel / StaticDrafter / StaticSubsetDraft wrappers (and on
-fused_round.py's graph of a whole speculative round, fused_steps.py's of one or several AR steps,
-fused_dflash.py's and fused_ddtree.py's of a DFlash or DDTree round), with each hot step compiled by
-inductor with fullgraph=True (a graph break is an error),
+Every method of the library run on models whose steps are compiled (compiled.compiled, and FR-Spec's
+StaticSubsetDraft; and fused_round.py's graph of a whole speculative round, fused_steps.py's of one or
+several AR steps, fused_dflash.py's of a DFlash round), each hot step compiled by inductor with
+fullgraph=True (a graph break is an error),
 gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
 after every round the static caches hold the eager caches' rows; the hot steps really ran compiled;
 misuse is a one-line error.
 The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
 only by float64 rounding, far below any argmax or sampling boundary. Compiling is the slow part
-(seconds per shape), so the wrappers are built once for the module and every test shares them.
+(seconds per shape), so the compiled models are built once for the module and every test shares them.
 """
 import pytest
 import torch
@@ -21,22 +21,15 @@ from tinydiff.checks import UserError
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import dflash_generate
 from tinydiff.eagle3 import eagle_generate
-from tinydiff.fast.compiled import (
-    StaticCache,
-    StaticDrafter,
-    StaticModel,
-    Wrapped,
-    compile_step,
-    inductor_settings,
-    wrap,
-)
+from tinydiff.extras.dflash_reject import dflash_reject_generate
+from tinydiff.fast import compiled as fast
+from tinydiff.fast.compiled import compile_all, compile_seconds, compile_step, compiled, inductor_settings
 from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, subset_draft_round
-from tinydiff.fast.fused_ddtree import FusedDDTree, fused_ddtree_generate
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fast.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
 from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
-from tinydiff.model import ModelConfig
+from tinydiff.model import KVCache, ModelConfig
 from tinydiff.sampler import generate_cached
 from tinydiff.speculative import speculative_generate
 
@@ -65,20 +58,19 @@ def eager():
 
 @pytest.fixture(scope="module")
 def static(eager):
-    models = {"target": StaticModel(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK)),
-              "draft": StaticModel(eager["draft"], hot=(1,)),
-              "draft_fr": StaticModel(eager["draft_fr"], hot=(1,)),
+    models = {"target": compiled(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK)),
+              "draft": compiled(eager["draft"], hot=(1,)),
+              "draft_fr": FrequentVocabDraft(compiled(eager["draft_fr"].draft, hot=(1,)), eager["draft_fr"].ids),
               "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K, hot=(1, 2, PREFILL_CHUNK)),
               "draft_round": StaticSubsetDraft(every_id(eager["draft"]), K, hot=(PREFILL_CHUNK,)),
-              "drafter": StaticDrafter(eager["drafter"]),
+              "drafter": compiled(eager["drafter"], (BLOCK,)),
               "head": eager["head"],  # the head's few tiny forwards stay eager
-              "mdlm": StaticModel(eager["mdlm"], hot=(CANVAS,))}
-    # The fused graphs read the prompt and run a story's short last rounds on the wrappers above.
-    return {**models, "ar_fused": FusedSteps(models["target"], 1), "ar_steps": FusedSteps(models["target"], STEPS),
-            "spec_fused": FusedSpeculation(models["target"], models["draft_fr_round"]),
-            "spec_plain_fused": FusedSpeculation(models["target"], models["draft_round"]),
-            "dflash_fused": FusedDFlash(models["target"], models["drafter"]),
-            "ddtree_fused": FusedDDTree(models["target"], models["drafter"], BUDGET)}
+              "mdlm": compiled(eager["mdlm"], hot=(CANVAS,))}
+    # The fused graphs read the prompt and run a story's short last rounds on the compiled models above.
+    return {**models, "ar_fused": FusedSteps(eager["target"], 1), "ar_steps": FusedSteps(eager["target"], STEPS),
+            "spec_fused": FusedSpeculation(models["target"], eager["target"], models["draft_fr_round"]),
+            "spec_plain_fused": FusedSpeculation(models["target"], eager["target"], models["draft_round"]),
+            "dflash_fused": FusedDFlash(eager["target"], eager["drafter"])}
 
 
 def decode(method, models, temperature, on_round=None):
@@ -113,13 +105,12 @@ def decode(method, models, temperature, on_round=None):
     if method.startswith("dflash-fused") and "dflash_fused" in models:
         rule = "reject" if method.endswith("reject") else "match"
         return fused_dflash_generate(models["dflash_fused"], PROMPT, NEW, on_round=on_round, rule=rule, **common)[0]
-    if method == "dflash-fused-reject":  # eagerly: dflash_generate
-        return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, rule="reject", **common)[0]
+    if method == "dflash-fused-reject":  # eagerly: the rejection rule (extras/dflash_reject.py)
+        return dflash_reject_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, rule="reject",
+                                      **common)[0]
     if method in ("dflash", "dflash-fused"):
         return dflash_generate(t, models["drafter"], PROMPT, NEW, on_round=on_round, **common)[0]
-    if method == "ddtree-fused" and "ddtree_fused" in models:
-        return fused_ddtree_generate(models["ddtree_fused"], PROMPT, NEW, on_round=on_round, **common)[0]
-    if method in ("ddtree", "ddtree-fused"):
+    if method == "ddtree":
         return ddtree_generate(t, models["drafter"], PROMPT, NEW, budget=BUDGET, on_round=on_round, **common)[0]
     if method == "eagle3":
         return eagle_generate(t, models["head"], PROMPT, NEW, k=EAGLE_K, on_round=on_round, **common)[0]
@@ -128,7 +119,7 @@ def decode(method, models, temperature, on_round=None):
 
 
 METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
-           "dflash-fused", "dflash-fused-reject", "ddtree", "ddtree-fused", "eagle3", "diffusion-cached"]
+           "dflash-fused", "dflash-fused-reject", "ddtree", "eagle3", "diffusion-cached"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -138,7 +129,7 @@ def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, tempera
 
 
 @pytest.mark.parametrize("method", ["spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
-                                    "dflash-fused", "ddtree", "ddtree-fused", "eagle3"])
+                                    "dflash-fused", "ddtree", "eagle3"])
 def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
     def record(into):
         def on_round(info):
@@ -161,33 +152,36 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     # Decode every method so the test stands alone, then check what was compiled.
     for method in METHODS:
         decode(method, static, 0.0)
-    compiled_counts = {key[0] for key in static["target"].step.seen}
-    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK} <= compiled_counts  # the fused loops' prefill
-    assert static["drafter"].step.seen == {BLOCK}
-    assert {key[0] for key in static["draft"].step.seen} == {key[0] for key in static["draft_fr"].step.seen} == {1}
+    compiled_counts = {key[0][1] for key in static["target"].compiled_step.seen}  # the keys start with idx.shape
+    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1} <= compiled_counts
+    assert static["drafter"].compiled_step.seen == {BLOCK}
+    assert {key[0][1] for key in static["draft"].compiled_step.seen} == \
+        {key[0][1] for key in static["draft_fr"].draft.compiled_step.seen} == {1}
     assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
     assert (0.0, None, None) in static["ar_fused"].call.seen
     assert (0.0, None, None) in static["ar_steps"].call.seen
+    assert PREFILL_CHUNK in {key[0][1] for key in static["ar_fused"].model.compiled_step.seen}  # the prompt, chunked
     # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
     for name in ("spec_fused", "spec_plain_fused"):
         assert {key[0] for key in static[name].round.seen} == {2}
     assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
-    assert {key[0] for key in static["ddtree_fused"].round.seen} == {BLOCK}
-    assert all(m.compile_seconds > 0 for name, m in static.items() if name != "head")
-    assert static["draft_fr_round"].compile_seconds > static["draft_fr_round"].step.compile_seconds  # the chain's counted
-    assert isinstance(static["target"].new_cache(1), StaticCache)
+    assert all(compile_seconds([m]) > 0 for name, m in static.items() if name not in ("head", "draft_fr"))
+    assert compile_seconds([static["draft_fr"].draft]) > 0
+    assert static["draft_fr_round"].compile_seconds > compile_seconds([static["draft_fr_round"].draft])  # the chain's
+    assert isinstance(static["target"].new_cache(1), KVCache)  # model.py's own: static from the start
 
 
-def test_each_wrapped_step_keeps_its_graphs_apart(eager, static):
+def test_each_compiled_step_keeps_its_graphs_apart(eager, static):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    # Dynamo keeps graphs per code object. Shared by every wrapper, a model's first step would be a
+    # Dynamo keeps graphs per code object. Shared by every compiled model, a model's first step would be a
     # recompile judged by the other models' guards (torch 2.13 raised IndexError on a model with
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
     for method in METHODS:
         decode(method, static, 0.0)
     fused = [static["ar_fused"].call, static["ar_steps"].call] + \
-        [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused", "ddtree_fused")]
-    steps = [m.step for m in static.values() if isinstance(m, Wrapped)] + [static["draft_fr_round"].chain] + fused
+        [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused")]
+    steps = [m.compiled_step for m in static.values() if hasattr(m, "compiled_step")] + \
+        [static["draft_fr"].draft.compiled_step, static["draft_fr_round"].chain] + fused
     for step in steps:
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)
 
@@ -204,27 +198,25 @@ def test_a_hot_step_compiles_once_whatever_the_prompt(eager, static):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_misuse_is_a_one_line_error(eager, static):
-    target = static["target"]
-    with pytest.raises(UserError, match="batch_size 1"):
-        target.new_cache(2)
-    with pytest.raises(UserError, match="its own caches"):
-        target(torch.tensor([[1]]), cache=eager["target"].new_cache(1))
-    cache = target.new_cache(1)
+def test_misuse_is_a_one_line_error(eager, static, monkeypatch):
+    cache = static["target"].new_cache(1)
     cache.advance(cache.capacity)
     with pytest.raises(UserError, match="exceeds the model's context"):
-        target(torch.tensor([[1]]), cache=cache)
+        static["target"](torch.tensor([[1]]), cache=cache)
+    monkeypatch.setattr(fast, "replays_cuda_graphs", lambda step, weight: True)  # one set of buffers
+    with pytest.raises(UserError, match="batch_size 1"):
+        compiled(eager["target"], (1,), compile=False).new_cache(2)
 
 
 @pytest.mark.parametrize("method", ["ar", "spec"])
 def test_max_autotune_decodes_the_eager_tokens(eager, method):
     # The weights are frozen into the graph and every product autotuned; float64 keeps the BLAS's
     # products (inductor's template is float32), so the tokens must be the eager ones exactly.
-    models = wrap({"target": eager["target"], "draft": eager["draft"]}, {"target": (1, K + 1), "draft": (1,)},
-                  "max-autotune")
+    models = compile_all({"target": eager["target"], "draft": eager["draft"]}, {"target": (1, K + 1), "draft": (1,)},
+                         "max-autotune")
     for temperature in (0.0, 1.0):
         assert decode(method, models, temperature) == decode(method, eager, temperature)
-    assert (1 if method == "ar" else K + 1) in {key[0] for key in models["target"].step.seen}  # it ran compiled
+    assert (1 if method == "ar" else K + 1) in {key[0][1] for key in models["target"].compiled_step.seen}  # compiled
 
 
 @pytest.mark.parametrize("rows", [1, 3])

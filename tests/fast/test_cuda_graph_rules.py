@@ -18,7 +18,6 @@ from compiled_loops import CONTEXT, METHODS, SMALLEST_WIDTH, compiled_loops, mod
 from cuda_graph_rules import Recorder, off_device_ops
 
 from tinydiff.fast import compiled
-from tinydiff.fast.compiled import Wrapped
 
 pytestmark = pytest.mark.compile
 
@@ -32,9 +31,9 @@ def traced():
     def compile_step(fn, device, mode="default"):  # compiled.compile_step, tracing instead of compiling
         graph = recorder.compile(fn)
 
-        def step(*args):
+        def step(*args, **kwargs):
             before = len(recorder.graphs)
-            out = graph(*args)
+            out = graph(*args, **kwargs)
             if len(recorder.graphs) > before:  # this call traced a new graph
                 calls.append((fn, args))
             return out
@@ -42,7 +41,7 @@ def traced():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compiled, "compile_step", compile_step)
-        patch.setattr(Wrapped, "replays_cuda_graphs", lambda self, weight: True)
+        patch.setattr(compiled, "replays_cuda_graphs", lambda step, weight: True)
         patch.setattr(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
         for name, (decode, _) in compiled_loops(models()).items():
             start, calls = len(recorder.graphs), []

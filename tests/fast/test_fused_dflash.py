@@ -1,7 +1,7 @@
 """Spec: fused_dflash.py's round (the block drafted, verified, judged and the drafter's context extended in
-one graph) decides exactly what dflash_generate decides. `match_verdict` is sample_and_match given the
+one graph) decides exactly what dflash_generate decides. `match_verdict` is dflash.match given the
 numbers it draws, for any p, drafts and verified prefix, greedy included; `pick_drafts` picks what
-dflash_decode's argmax_drafts and sampled_drafts pick, with a Markov head too. The fused loop, run here
+extras/markov_head.py's markov_drafts picks (argmax, or sampled), with a Markov head too. The fused loop, run here
 uncompiled (compile=False: the same functions, eagerly; tests/test_compiled.py runs it compiled), commits
 dflash_generate's tokens from the same seeds under both rules at every warp, with the same counts and the
 same cache rows after every round, full acceptances included (an oracle drafter), after a one-token
@@ -9,8 +9,11 @@ prompt and up to the context's end, stops where it stops, and refuses what it re
 loop's tokens draw for draw, its samples follow the target's distribution as those do
 (test_dflash_decode.py's chi-square tests). The models are float64: two paths differ by float64 rounding
 only, far below any sampling boundary."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from dflash_models import dflash_with_rule as dflash_generate
 from stats_helpers import (
     float64,
     one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
@@ -21,9 +24,9 @@ from stats_helpers import (
 from table_models import Oracle
 
 from tinydiff.checks import UserError
-from tinydiff.dflash import argmax_drafts, dflash_generate, sample_and_match, sampled_drafts
+from tinydiff.dflash import match
+from tinydiff.extras.markov_head import markov_drafts
 from tinydiff.extras.markov_head import MarkovHead
-from tinydiff.fast.compiled import StaticDrafter, StaticModel
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, match_verdict, pick_drafts, target_picks
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
@@ -34,8 +37,8 @@ WARPS = [(0.0, None, None), (1.0, None, None), (0.8, 5, None), (1.3, None, 0.9)]
 
 
 def fused(target, drafter):
-    """FusedDFlash on uncompiled wrappers: the graph's functions run eagerly."""
-    return FusedDFlash(StaticModel(target, (), compile=False), StaticDrafter(drafter, (), compile=False), compile=False)
+    """FusedDFlash uncompiled: the graph's functions run eagerly."""
+    return FusedDFlash(target, drafter, compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_match_verdict_is_sample_and_match_with_the_numbers_it_draws():
         guesses = torch.randint(0, V, (K,), generator=g)
         drafts = torch.where(torch.rand(K, generator=g) < 0.8, logits[:K].argmax(-1), guesses)
         state = g.get_state()
-        n, token = sample_and_match(p[:m + 1], drafts[:m], g, greedy)
+        n, token = match(p[:m + 1], drafts[:m], None, g, greedy)
         g.set_state(state)
         u = torch.cat([torch.rand(m + 1, 1, generator=g, dtype=torch.float64),
                        torch.zeros(K - m, 1, dtype=torch.float64)])
@@ -96,11 +99,11 @@ def test_pick_drafts_picks_what_the_eager_draws_pick(rank):
         logits = torch.randn(K, V, generator=g, dtype=torch.float64)
         first = int(torch.randint(0, V, (), generator=g))
         warp = WARPS[trial % len(WARPS)]
-        expected, _, _ = argmax_drafts(logits, warp, None, head, first)
+        expected, _ = markov_drafts(SimpleNamespace(markov=head), logits, first, warp)
         ours, _ = pick_drafts(logits, torch.tensor([first]), None, (0.0, None, None), head)
         assert torch.equal(ours, expected)
         state = g.get_state()
-        expected, q, _ = sampled_drafts(logits, warp, g, head, first)
+        expected, q = markov_drafts(SimpleNamespace(markov=head), logits, first, warp, g, sampled=True)
         g.set_state(state)
         u = torch.rand(K, 1, generator=g, dtype=torch.float64)
         ours, ours_q = pick_drafts(logits, torch.tensor([first]), u, warp, head)
@@ -175,7 +178,5 @@ def test_bad_input_is_a_one_line_error(models):
                                        (PROMPT, 4, {"rule": "accept"}, "rule must be one of")):
         with pytest.raises(UserError, match=message):
             fused_dflash_generate(ours, prompt, n, **kwargs)
-    with pytest.raises(UserError, match="StaticModel"):
-        FusedDFlash(target, StaticDrafter(drafter, (), compile=False), compile=False)
     with pytest.raises(UserError, match="block size"):
-        FusedDFlash(StaticModel(target, (), compile=False), StaticDrafter(drafter, (), compile=False), B + 1, False)
+        FusedDFlash(target, drafter, B + 1, False)

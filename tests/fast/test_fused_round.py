@@ -13,7 +13,7 @@ import torch
 from stats_helpers import assert_caches_equal, assert_same, float64, one_thread, perturbed, random_model  # noqa: F401 (one_thread: autouse)
 
 from tinydiff.checks import UserError
-from tinydiff.fast.compiled import StaticModel
+from tinydiff.fast.compiled import compiled
 from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, in_vocab, subset_draft_round
 from tinydiff.fast.fused_round import (
@@ -40,7 +40,7 @@ def models():
     # Close to the target, so that rounds accept every draft too; ids that are multiples of 9 only come
     # back through the residual.
     draft = FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])
-    spec = FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(draft, K, compile=False),
+    spec = FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(draft, K, compile=False),
                             compile=False)
     return target, draft, spec
 
@@ -142,7 +142,7 @@ def test_a_chunked_prefill_reads_the_prompt_as_one_forward_does(length):
     config = ModelConfig(vocab_size=64, context=37, n_layer=2, n_head=2, d_model=32, d_ff=64)
     (target,) = float64(random_model(config, seed=1))
     prompt = torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    static = StaticModel(target, (), compile=False)
+    static = compiled(target, (), compile=False)
     cache, reference = static.new_cache(1), target.new_cache(1)
     logits, forwards = prefill(static, cache, prompt)
     expected = target(torch.tensor([prompt]), cache=reference, causal=True)[:, -1]
@@ -170,7 +170,7 @@ def test_a_plain_draft_as_the_subset_of_every_id_commits_speculative_generates_t
     draft = perturbed(target, seed=5, noise=0.05)  # close to the target: rounds accept several drafts
     subset = every_id(draft)
     assert len(subset.ids) == vocab_size - (vocab_size > MASK) and not bool((subset.ids == MASK).any())
-    spec = FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(subset, K, compile=False),
+    spec = FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(subset, K, compile=False),
                             compile=False)
     accepted = 0
     for warp in WARPS:
@@ -252,4 +252,4 @@ def test_bad_input_is_a_one_line_error(models):
     with pytest.raises(UserError, match="max new tokens"):
         fused_speculative_generate(spec, PROMPT, 1000)
     with pytest.raises(UserError, match="pruned draft"):
-        FusedSpeculation(StaticModel(target, (), compile=False), StaticSubsetDraft(target, K, compile=False))
+        FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(target, K, compile=False))

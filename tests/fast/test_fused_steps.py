@@ -14,7 +14,7 @@ from stats_helpers import float64, one_thread, random_model  # noqa: F401 (one_t
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.fast.compiled import StaticModel
+from tinydiff.fast.compiled import compiled
 from tinydiff.fast.fused_round import PREFILL_CHUNK
 from tinydiff.fast.fused_steps import FusedSteps, decode_steps, multi_step_generate
 from tinydiff.model import ModelConfig
@@ -36,7 +36,7 @@ def seeded(seed):
 @pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("steps", [1, 5, 7])  # 5 and 7 do not divide NEW: the last call keeps fewer
 def test_multi_step_decoding_commits_ar_generates_tokens(target, warp, steps):
-    fused = FusedSteps(StaticModel(target, (), compile=False), steps, compile=False)
+    fused = FusedSteps(target, steps, compile=False)
     for seed in range(3):
         g, h = seeded(seed), seeded(seed)
         ours, result = multi_step_generate(fused, PROMPT, NEW, *warp, generator=g, stop_token=None)
@@ -48,7 +48,7 @@ def test_multi_step_decoding_commits_ar_generates_tokens(target, warp, steps):
 
 
 def test_decode_steps_is_that_many_steps_each_fed_the_last_draw(target):
-    static = StaticModel(target, (), compile=False)
+    static = compiled(target, (), compile=False)
     greedy = (0.0, None, None)
     cache = static.new_cache(1)
     static(torch.tensor([PROMPT[:-1]]), cache=cache, causal=True)
@@ -61,7 +61,7 @@ def test_decode_steps_is_that_many_steps_each_fed_the_last_draw(target):
 @pytest.mark.parametrize("steps", [1, 5])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_story_stops_where_ar_generate_stops_and_spends_its_numbers(target, temperature, steps):
-    fused = FusedSteps(StaticModel(target, (), compile=False), steps, compile=False)
+    fused = FusedSteps(target, steps, compile=False)
     stopped = 0
     for seed in range(6):
         story = ar_generate(target, PROMPT, NEW, temperature, generator=seeded(seed), stop_token=None)[0]
@@ -76,7 +76,7 @@ def test_a_story_stops_where_ar_generate_stops_and_spends_its_numbers(target, te
 
 
 def test_the_context_end_is_decoded_one_token_at_a_time(target, monkeypatch):
-    fused = FusedSteps(StaticModel(target, (), compile=False), 8, compile=False)
+    fused = FusedSteps(target, 8, compile=False)
     calls = []
     call = fused.call
     monkeypatch.setattr(fused, "call", lambda *a: calls.append(1) or call(*a))
@@ -93,13 +93,10 @@ def test_the_context_end_is_decoded_one_token_at_a_time(target, monkeypatch):
 
 
 def test_bad_input_is_a_one_line_error(target):
-    static = StaticModel(target, (), compile=False)
     for steps in (0, -2, 2.5, True, "4"):
         with pytest.raises(UserError, match="steps per graph must be an integer >= 1"):
-            FusedSteps(static, steps, compile=False)
-    with pytest.raises(UserError, match="StaticModel"):
-        FusedSteps(target, 4, compile=False)
-    fused = FusedSteps(static, 4, compile=False)
+            FusedSteps(target, steps, compile=False)
+    fused = FusedSteps(target, 4, compile=False)
     with pytest.raises(UserError, match="prompt is empty"):
         multi_step_generate(fused, [], 4)
     with pytest.raises(UserError, match="temperature"):

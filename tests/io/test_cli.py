@@ -6,6 +6,7 @@ import importlib
 import pytest
 
 import generate
+from tinydiff.io.cli import stats_line
 from tinydiff.bench import hf as hf_bench
 from tinydiff.bench import quality
 from tinydiff.bench import table as bench
@@ -21,7 +22,10 @@ def kernel_bench(argv):  # imported when called: Triton must not load before the
 ENTRY_POINTS = {"python train.py": train.parse_args, "python generate.py": generate.parse_args,
                 "python -m tinydiff.bench": bench.parse_args, "python -m tinydiff.bench.quality": quality.parse_args,
                 "python -m tinydiff.bench.kernels": kernel_bench, "python -m tinydiff.tools.export": export.parse_args,
-                "python -m tinydiff.bench.hf": hf_bench.parse_args, "python -m tinydiff.tools.eval": pinned_eval.parse_args}
+                "python -m tinydiff.bench.hf": hf_bench.parse_args, "python -m tinydiff.tools.eval": pinned_eval.parse_args,
+                **{f"python -m tinydiff.extras.{name}": importlib.import_module(f"tinydiff.extras.{name}").main
+                   for name in ("self_speculative", "drafted_diffusion", "self_correction", "dflash_reject",
+                                "ddtree_sampled", "markov_head")}}
 
 
 def parser_of(entry_point, monkeypatch) -> argparse.ArgumentParser:
@@ -52,5 +56,5 @@ def test_help_names_the_command_and_every_default(prog, monkeypatch):
 
 
 def test_generate_prints_stats_that_apply_and_says_what_its_tau_counts():
-    line = generate.stats_line({"rounds": 5, "rejected": None, "alpha": None, "tau": 4.8, "forwards": 6})
+    line = stats_line({"rounds": 5, "rejected": None, "alpha": None, "tau": 4.8, "forwards": 6})
     assert line == "rounds 5 | tau (tokens per round) 4.8 | forwards 6"  # a tree has no alpha to print

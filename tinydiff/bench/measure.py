@@ -17,10 +17,11 @@ from tinydiff.data import eval_windows, load_tokens, prepare_tokens
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle3 import EagleConfig, EagleHead
+from tinydiff.extras.markov_head import drafter_from
 from tinydiff.extras.regenerate import story_openings
 from tinydiff.fast.compiled import compile_seconds
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, frequent_ids
-from tinydiff.io.checkpoint import AR_KINDS, drafter_from, head_from, load_checkpoint, load_model
+from tinydiff.io.checkpoint import AR_KINDS, head_from, load_checkpoint, load_model
 from tinydiff.model import Transformer, preset
 from tinydiff.speculative import acceptance_by_slot
 from tinydiff.tools.eval import score

@@ -11,22 +11,26 @@ parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
 """
 import re
+import time
+from functools import partial
 
 import torch
 
 from tinydiff.ar import ar_generate
+from tinydiff.bench.moe_stats import moe_stats, reset_stats
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import dflash_generate
-from tinydiff.dmoe import MoETransformer, moe_stats, reset_stats, set_routing
+from tinydiff.dmoe import MoETransformer, set_routing
 from tinydiff.eagle3 import eagle_generate
 from tinydiff.extras.ddtree_sampled import ddtree_sampled_generate
+from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.markov_head import markov_ddtree_generate, markov_drafts
 from tinydiff.extras.self_speculative import self_speculative_generate
-from tinydiff.fast.compiled import StaticModel, hot_steps, wrap
+from tinydiff.fast.compiled import compile_all, hot_steps
 from tinydiff.fast.frequent_vocab import subset_draft_round
-from tinydiff.fast.fused_ddtree import FusedDDTree, fused_ddtree_generate
-from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, static_pair
-from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
+from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
+from tinydiff.fast.fused_round import fused_speculation, fused_speculative_generate
 from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.speculative import draft_round, speculative_generate
@@ -34,8 +38,8 @@ from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
 def run_ar(models, prompt, args, generator):
-    """Plain KV-cached decoding with the target: one forward per token (with --compile, each step and
-    its draw one graph: fused_steps.py, one step a call)."""
+    """Plain KV-cached decoding with the target: one forward per token (ar-steps<S>: S steps and their draws
+    one graph, fused_steps.py)."""
     decode, model = (multi_step_generate, models["fused"]) if "fused" in models else (ar_generate, models["target"])
     ids, result = decode(model, prompt, args.new_tokens, args.temperature, generator=generator, stop_token=None)
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
@@ -43,8 +47,8 @@ def run_ar(models, prompt, args, generator):
 
 def run_ar_steps(models, prompt, args, generator, steps):
     """ar with `steps` tokens per graph call, read back once (fused_steps.py): the same tokens. It pays
-    only with --compile; without, the same calls run eagerly on a static cache."""
-    fused = models.get("fused") or FusedSteps(StaticModel(models["target"], (), False), steps, False)
+    only with --compile; without, the same calls run eagerly."""
+    fused = models.get("fused") or FusedSteps(models["target"], steps, False)
     return run_ar({**models, "fused": fused}, prompt, args, generator)
 
 
@@ -80,8 +84,8 @@ def run_ar_drafted(models, prompt, args, generator, k):
 
 
 def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_round):
-    """The draft proposes k tokens, the target verifies them in one forward (with --compile, each round,
-    drafts, verify and verdict, is one compiled graph: fused_round.py)."""
+    """The draft proposes k tokens, the target verifies them in one forward (a -fused or -fr row with
+    --compile: each round, drafts, verify and verdict, one compiled graph: fused_round.py)."""
     if "fused" in models:
         ids, result = fused_speculative_generate(models["fused"], prompt, args.new_tokens, args.temperature,
                                                  generator=generator, stop_token=None)
@@ -126,40 +130,71 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
     threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(1)  # the draft's thread and the target's each get a core, as in generate.py
+    rounds = []
     try:
         ids, result = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
                                    args.temperature, generator=generator, stop_token=None, threaded=True,
-                                   costs=args.forward_costs)
+                                   on_round=rounds.append)
     finally:
         torch.set_num_threads(threads)
+    sd, ssd = modelled_seconds(result, rounds, *args.forward_costs)
     return {**chain_counts(ids, result), "hits": result.hits, "lookups": result.lookups,
-            "modelled_seconds_sd": result.modelled_seconds_sd, "modelled_seconds_ssd": result.modelled_seconds_ssd}
+            "modelled_seconds_sd": sd, "modelled_seconds_ssd": ssd}
+
+
+@torch.no_grad()
+def forward_seconds(model, seq, reps: int = 5) -> float:
+    """Median seconds of one single-token KV-cached forward after seq: decoding's unit cost."""
+    device = model.embed.weight.device
+    cache = model.new_cache(1)
+    model(torch.tensor([seq], device=device), cache=cache, causal=True)
+    times = []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        model(torch.tensor([seq[-1:]], device=device), cache=cache, causal=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+        cache.crop(len(seq))
+    return sorted(times)[reps // 2]
+
+
+def modelled_seconds(result, rounds: list, draft_s: float, target_s: float) -> tuple[float, float]:
+    """SSD priced as if its draft had its own device, where a batched forward over a few rows costs one: plain
+    speculative decoding's time at these forward costs (a target forward per round, a draft forward per
+    draft), and SSD's, sum over rounds of jit * draft_s + max(target_s, ahead * draft_s) (jit: draft
+    forwards run just in time before the round; ahead: run-ahead forwards during its verification)."""
+    sd = result.rounds * target_s + result.proposed * draft_s
+    ssd = sum(r["jit_forwards"] * draft_s + max(target_s, r["ahead_forwards"] * draft_s) for r in rounds)
+    return sd, ssd
 
 
 def run_dflash(models, prompt, args, generator, block_size, rule="match", min_confidence=None):
     """The DFlash drafter fills a block of block_size - 1 MASKs in one forward; the target verifies
-    (dflash_decode.RULES: "match" drafts the drafter's argmax, "reject" samples it and applies the
-    rejection rule), all of them or (min_confidence) those before the first the drafter is unsure of (with
-    --compile, each round but a -sched row's is one compiled graph: fused_dflash.py)."""
-    if "fused" in models:  # with --compile, each round one graph (fused_dflash.py)
+    (extras/dflash_reject.py: "match" drafts the drafter's argmax, "reject" samples it and applies the
+    rejection rule), all of them or (min_confidence) those before the first the drafter is unsure of
+    (a -fused row with --compile: each round one compiled graph, fused_dflash.py)."""
+    drafter = models["drafter"]
+    if "fused" in models:
         ids, result = fused_dflash_generate(models["fused"], prompt, args.new_tokens, args.temperature,
                                             generator=generator, stop_token=None, rule=rule)
+    elif rule == "match" and min_confidence is None and getattr(drafter, "markov", None) is None:
+        ids, result = dflash_generate(models["target"], drafter, prompt, args.new_tokens, block_size,
+                                      args.temperature, generator=generator, stop_token=None)
     else:
-        ids, result = dflash_generate(models["target"], models["drafter"], prompt, args.new_tokens, block_size,
-                                      args.temperature, generator=generator, stop_token=None, rule=rule,
-                                      min_confidence=min_confidence)
+        propose = partial(markov_drafts, sampled=rule == "reject") if getattr(drafter, "markov", None) else None
+        ids, result = dflash_reject_generate(models["target"], drafter, prompt, args.new_tokens, block_size,
+                                             args.temperature, generator=generator, stop_token=None, rule=rule,
+                                             min_confidence=min_confidence, propose=propose)
     return chain_counts(ids, result)
 
 
 def run_ddtree(models, prompt, args, generator, budget):
-    """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward (with
-    --compile and a drafter without a Markov head, each round one compiled graph: fused_ddtree.py)."""
-    if "fused" in models:
-        ids, result = fused_ddtree_generate(models["fused"], prompt, args.new_tokens, args.temperature,
-                                            generator=generator, stop_token=None)
-    else:
-        ids, result = ddtree_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
-                                      args.temperature, generator=generator, stop_token=None)
+    """One DFlash drafter pass grown into a tree of `budget` nodes, verified in one target forward (a drafter
+    with DSpark's Markov head: trees whose children read it)."""
+    decode = markov_ddtree_generate if getattr(models["drafter"], "markov", None) is not None else ddtree_generate
+    ids, result = decode(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
+                         args.temperature, generator=generator, stop_token=None)
     return tree_counts(ids, result)
 
 
@@ -198,6 +233,7 @@ METHODS = {
     "spec-k2": lambda *a: run_spec(*a, k=2),
     "spec-k4": lambda *a: run_spec(*a, k=4),
     "spec-k8": lambda *a: run_spec(*a, k=8),
+    "spec-k4-fused": lambda *a: run_spec(*a, k=4),
     **{f"spec-k{k}-fr": (lambda *a, k=k: run_spec_fr(*a, k=k)) for k in (2, 3, 4, 5, 6)},
     "ssd-f1": lambda *a: run_ssd(*a, fan_out=1),
     "ssd-f3": lambda *a: run_ssd(*a, fan_out=3),
@@ -207,6 +243,7 @@ METHODS = {
     "ssd-g2": lambda *a: run_ssd(*a, fan_out=geometric_fan_out(2, 4, 0.9)),
     "dflash-b8": lambda *a: run_dflash(*a, block_size=8),
     "dflash-b16": lambda *a: run_dflash(*a, block_size=16),
+    "dflash-b16-fused": lambda *a: run_dflash(*a, block_size=16),
     "dflash-b16-reject": lambda *a: run_dflash(*a, block_size=16, rule="reject"),
     # DSpark's confidence-scheduled verify length, --min-confidence
     "dflash-b16-sched": lambda *a: run_dflash(*a, block_size=16, min_confidence=a[2].min_confidence),
@@ -252,41 +289,40 @@ USES = {**{name: "target" for name in METHODS if not name.startswith(("diffusion
 
 
 def compiled_models(method: str, models: dict, args) -> dict | None:
-    """`models` wrapped for compiled static decoding (tinydiff/fast/compiled.py) as `method` reads them, or
-    None for the methods it does not cover: SSD (threads, batched branches), the uncached diffusion
-    samplers (no cache to make static), the self-speculative and ar-drafted ones (batched canvases) and dMoE (routing
-    has no fixed shapes), an ar-moe target included."""
+    """`models` as `method` reads them with --compile, or None for the methods it does not cover: SSD (threads,
+    batched branches), the uncached diffusion samplers (no cache), the self-speculative and ar-drafted ones
+    (batched canvases) and dMoE (routing has no fixed shapes), an ar-moe target included. Each row runs its
+    own loop on compiled steps (fast/compiled.py); a -fused row, or ar-steps<S>, runs a whole round (or S
+    steps) as one graph (fused_round.py, fused_dflash.py, fused_steps.py)."""
     if USES.get(method) == "target" and isinstance(models["target"], MoETransformer):
         return None
-    mode = args.compile
-    if method == "ar" or method in STEPS_ROWS:  # the step (or several) with its draw: one graph; the prompt in
-        # compiled chunks
-        steps = int(method.removeprefix("ar-steps")) if method in STEPS_ROWS else 1
-        return {**models, "fused": FusedSteps(StaticModel(models["target"], (PREFILL_CHUNK,), mode), steps, mode)}
-    if method.startswith("spec-k"):  # the whole round, a story's last ones too: one graph; the prompt in compiled
-        # chunks. A plain draft runs as the subset of every id: the same tokens (frequent_vocab.every_id).
+    mode, fused = args.compile, method.endswith("-fused")
+    if method in STEPS_ROWS:  # S steps with their draws: one graph; the prompt in compiled chunks
+        return {**models, "fused": FusedSteps(models["target"], int(method.removeprefix("ar-steps")), mode)}
+    if method == "ar":
+        return compile_all(models, {"target": (1,)}, mode)
+    if method.startswith("spec-k"):
         draft = models["draft_fr"] if method in FR_ROWS else models["draft"]
-        return {**models, "fused": fused_speculation(models["target"], draft, draft_count(method), mode)}
-    if block_of(method) and not method.endswith("-sched"):  # the whole round: one graph
-        return {**models, "fused": FusedDFlash(*static_pair(models["target"], models["drafter"], mode),
-                                               block_of(method), mode)}
-    if block_of(method):  # DSpark's confidence-scheduled verify: each forward compiled
-        return wrap(models, hot_steps("dflash", block_size=block_of(method)), mode)
+        if fused or method in FR_ROWS:  # the whole round, a story's last ones too: one graph. A plain draft
+            # runs as the subset of every id: the same tokens (frequent_vocab.every_id)
+            return {**models, "fused": fused_speculation(models["target"], draft, draft_count(method), mode)}
+        return compile_all(models, hot_steps("spec", k=draft_count(method)), mode)
+    if block_of(method):
+        if fused:  # the whole round: one graph
+            return {**models, "fused": FusedDFlash(models["target"], models["drafter"], block_of(method), mode)}
+        return compile_all(models, hot_steps("dflash", block_size=block_of(method)), mode)
     if method.startswith("ddtree-n"):
         block = models["drafter"].config.block_size
         budget = int(re.match(r"ddtree-n(\d+)", method).group(1))
-        if not method.endswith("-reject") and models["drafter"].markov is None:  # the whole round: one graph
-            return {**models, "fused": FusedDDTree(*static_pair(models["target"], models["drafter"], mode), budget,
-                                                   None, mode)}
-        return wrap(models, hot_steps("ddtree", block_size=block, budget=budget), mode)
+        return compile_all(models, hot_steps("ddtree", block_size=block, budget=budget), mode)
     if method.startswith("eagle3-"):
         hot = hot_steps("eagle3", k=4) if method == "eagle3-chain" else hot_steps("eagle3", k=6, budget=32)
-        return wrap(models, hot, mode)
+        return compile_all(models, hot, mode)
     if "-self-spec-" in method or "-ar-drafted-" in method:  # batched verify canvases: no static batch-1 cache
         return None
     role = "distilled" if method.startswith("diffusion-distilled") else "mdlm"
     if method in ("diffusion-cached", "diffusion-entropy") or role == "distilled":
         block = min(32, args.new_tokens)  # run_diffusion's blocks
         hot = hot_steps("diffusion-cached", block_length=block, shift=int(models[role].config.shift))
-        return wrap(models, {role: hot["target"]}, mode)
+        return compile_all(models, {role: hot["target"]}, mode)
     return None

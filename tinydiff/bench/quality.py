@@ -22,11 +22,13 @@ from importlib.util import find_spec
 
 from tinydiff.ar import ar_generate
 from tinydiff.bench.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
+from tinydiff.bench.moe_stats import routing_from_flags
 from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, UserError, number_list
 from tinydiff.data import load_tokens, prepare_tokens
-from tinydiff.dmoe import ROUTINGS, routing_from_flags
+from tinydiff.dmoe import ROUTINGS
 from tinydiff.extras.drafted_diffusion import ar_drafted_generate
 from tinydiff.extras.regenerate import story_openings
+from tinydiff.extras.self_correction import generate_revising
 from tinydiff.extras.self_speculative import self_speculative_generate
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.io.cli import add_device, check_device, make_parser, run_main
@@ -51,8 +53,9 @@ SAMPLERS = {  # name -> (model key or keys, sampling function(model(s), prompt, 
                                                       a.temperature, generator=g)),
     "diffusion-threshold": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
                                                                 a.temperature, threshold=a.threshold, generator=g)),
-    "diffusion-revise": ("mdlm", lambda m, p, a, g: generate(m, p, a.gen_length, a.gen_length, a.block_length,
-                                                             a.temperature, revise=a.revise, generator=g)),
+    "diffusion-revise": ("mdlm", lambda m, p, a, g: generate_revising(m, p, a.gen_length, a.gen_length,
+                                                                      a.block_length, a.revise, a.temperature,
+                                                                      generator=g)),
     "diffusion-cached": cached("mdlm"),
     "diffusion-entropy": cached("mdlm", entropy_bound="entropy_bound"),
     "distilled": cached("student"),

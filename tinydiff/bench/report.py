@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from tinydiff.bench.measure import OPENING, device_name, git_commit, heldout_nll, heldout_openings, load_models, measure
-from tinydiff.bench.methods import METHODS, USES, block_of
+from tinydiff.bench.methods import METHODS, USES, block_of, forward_seconds
 from tinydiff.bench.temperatures import (
     measure_temperatures,
     plot_acceptance_by_slot,
@@ -47,7 +47,6 @@ from tinydiff.io import progress
 from tinydiff.io.checkpoint import load_checkpoint
 from tinydiff.model import PRESETS
 from tinydiff.sampler import generate
-from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
 from tinydiff.train import trainer
 from tinydiff.train.run_config import SETTINGS

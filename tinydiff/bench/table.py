@@ -51,7 +51,16 @@ from tinydiff.bench.measure import (
     measure,
     measure_interleaved,
 )
-from tinydiff.bench.methods import FR_ROWS, METHODS, STEPS_ROWS, USES, block_of, compiled_models, draft_count
+from tinydiff.bench.methods import (
+    FR_ROWS,
+    METHODS,
+    STEPS_ROWS,
+    USES,
+    block_of,
+    compiled_models,
+    draft_count,
+    forward_seconds,
+)
 from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE, UserError
@@ -59,7 +68,6 @@ from tinydiff.fast.compiled import compile_seconds
 from tinydiff.io.cli import add_compile, add_device, check_device, make_parser
 from tinydiff.io.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
-from tinydiff.ssd import forward_seconds
 from tinydiff.tokenizer import EOT, Tokenizer
 
 

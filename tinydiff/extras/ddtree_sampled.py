@@ -31,11 +31,14 @@ Leaves out: Sequoia's hardware-aware depth and budget search, SpecTr's optimal-t
 shapes that read the drafter's confidence per node (they must not read a child's own token).
 """
 import math
+import sys
 
 import torch
 
-from tinydiff.checks import UserError
-from tinydiff.ddtree import Tree, best_first, check_budget, ddtree_generate, decode_with_trees
+from tinydiff.checks import COUNT, UserError
+from tinydiff.ddtree import Tree, best_first, check_budget, ddtree_generate
+from tinydiff.io.checkpoint import AR_KINDS, drafter_from, load_checkpoint
+from tinydiff.io.cli import run_main, story_parser, write_story
 from tinydiff.sampling import next_token_probs, residual, sample
 from tinydiff.tokenizer import EOT
 
@@ -192,13 +195,33 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
     warp_args, distributions = (temperature, top_k, top_p), {}
 
     def grow(logits, root_token, n):
-        distributions["q"] = node_distributions(logits, drafter.markov, root_token, warp_args)
+        distributions["q"] = node_distributions(logits, getattr(drafter, "markov", None), root_token, warp_args)
         return build_sampled_tree(distributions["q"], acceptance.rates(), len(logits), n, generator)
 
     def judge(tree, p_at):  # a root alone (no draft: the last token) reads no q, and its walk is p's one sample
         path, bonus = follow_sampled_tree(tree, p_at, distributions.get("q"), generator)
         acceptance.update(tree, path)
         return path, bonus
-    return decode_with_trees(target, drafter, prompt, max_new_tokens, block_size, budget, warp_args, grow, judge,
-                             stop_token, on_round)
+    return ddtree_generate(target, drafter, prompt, max_new_tokens, block_size, budget, *warp_args, generator,
+                           stop_token, on_round, grow=grow, judge=judge)
 
+
+def main(argv=None):
+    """python -m tinydiff.extras.ddtree_sampled: DDTree at T > 0, sampled children judged by recursive rejection."""
+    p = story_parser("python -m tinydiff.extras.ddtree_sampled", "DDTree with sampled children judged by "
+                     "recursive rejection sampling (lossless; for temperature > 0).")
+    p.add_argument("--draft", required=True, help="the DFlash drafter (train.py --model dflash)")
+    p.add_argument("--k", type=COUNT, help="the tree's depth (default: the drafter's block - 1)")
+    p.add_argument("--budget", type=COUNT, default=32, help="tree nodes verified per round")
+    args = p.parse_args(argv)
+
+    def decode(target, prompt, generator):
+        drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
+        return ddtree_sampled_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
+                                       args.budget, 1.0 if args.temperature is None else args.temperature,
+                                       generator=generator)
+    write_story(args, AR_KINDS, decode)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -25,13 +25,16 @@ its canvases in `canvases` (a CPU's); draft forwards are counted apart and not i
 Leaves out: orders other than left to right (the AR draft reads a prefix), trees of drafts, drafts
 across a block boundary (the next block's canvas needs this block finished), a stop token.
 """
+import sys
 import time
 
 import torch
 
 from tinydiff.ar import split_time
-from tinydiff.checks import UserError
+from tinydiff.checks import COUNT, UserError
 from tinydiff.extras.self_speculative import SelfSpeculated, row_view
+from tinydiff.io.checkpoint import DIFFUSION_KINDS, load_model
+from tinydiff.io.cli import diffusion_lengths, run_main, story_parser, write_story
 from tinydiff.sampler import check_args, prefix_cached_logits
 from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import Tally, check_models, draft_round, verify
@@ -89,3 +92,23 @@ def ar_drafted_generate(model, draft, prompt, gen_length=64, block_length=32, te
                 on_round({"canvas": canvas.clone(), "block_start": lo, "drafts": tokens.tolist(), "accepted": kept,
                           "committed": [(int(positions[j]), int(canvas[positions[j]])) for j in range(kept + 1)]})
     return canvas[P:].tolist(), tally.result(canvas[P:], device, SelfSpeculated, canvases=canvases)
+
+
+def main(argv=None):
+    """python -m tinydiff.extras.drafted_diffusion: a diffusion LM's left-to-right story, drafted by an AR model."""
+    p = story_parser("python -m tinydiff.extras.drafted_diffusion", "A diffusion LM's story one token per step left "
+                     "to right, k positions a round drafted by an AR draft and verified in one forward (lossless).")
+    p.add_argument("--draft", required=True, help="the AR draft (train.py --model ar --target CKPT --regenerate N)")
+    p.add_argument("--k", type=COUNT, default=8, help="positions drafted a round")
+    p.add_argument("--block-length", type=COUNT, help="blocks filled left to right (default 32)")
+    args = p.parse_args(argv)
+
+    def decode(model, prompt, generator):
+        draft, _ = load_model(args.draft, args.device, kinds=("ar",))
+        new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
+        return ar_drafted_generate(model, draft, prompt, new, block, args.temperature or 0.0, args.k, generator)
+    write_story(args, DIFFUSION_KINDS, decode)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

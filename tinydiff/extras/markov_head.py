@@ -1,23 +1,36 @@
-"""DSpark's Markov head for DFlash: each slot's logits also depend on the token drafted one slot before.
+"""DSpark's Markov head on a DFlash drafter: each slot's logits also depend on the token drafted one slot before.
 
-DFlash drafts a block in one drafter forward, every slot from its own marginal given the context:
-slot k cannot know which of its candidates slot k-1 picked, so the block's later drafts disagree
-with its earlier ones. DSpark adds a cheap low-rank bias from the previous slot's token,
+DFlash (tinydiff/dflash.py) drafts a block in one drafter forward, every slot from its own marginal
+given the context: slot k cannot know which of its candidates slot k-1 picked, so the block's later
+drafts disagree with its earlier ones. DSpark adds a cheap low-rank bias from the previous slot's token,
 
     logits_k = drafter_logits_k + W2 W1[x_{k-1}]        W1: (V, r) lookup, W2: (r, V), rank r
 
 where x_0 is the newest committed token (the block's slot 0) and x_{k-1} the draft at slot k-1. The
-drafter still runs ONE forward per block; the drafts then come left to right through the head
-alone, a lookup and an (r x V) product per slot (`draft_left_to_right`). Training teaches W1, W2
-beside the drafter with the text's own previous token (teacher forcing, dflash.dflash_loss).
-W2 starts at zero, so a new head is plain DFlash until training moves it, and a head of rank 0 or
-with W2 = 0 is exactly plain DFlash (the tests hold both).
-DDTree reads the head too (ddtree.build_markov_tree): a tree's depth has many previous tokens, so
-each node's children get the bias of that node's own token.
-DSpark's confidence-scheduled verify length is in dflash_decode.py (`min_confidence`).
+drafter still runs ONE forward per block; the drafts then come left to right through the head alone,
+a lookup and an (r x V) product per slot (`draft_left_to_right`). Training teaches W1, W2 beside the
+drafter with the text's own previous token (teacher forcing, `markov_loss`). W2 starts at zero, so a
+new head is plain DFlash until training moves it, and a head of rank 0 or with W2 = 0 is exactly plain
+DFlash (the tests hold both).
+Built from the core's pieces: `MarkovDrafter` is a DFlashDrafter with the head; its drafts go into
+dflash_generate as `propose` (argmax, or sampled for the rejection rule of dflash_reject.py), its trees
+into ddtree_generate as `grow` (a node's children read the bias of that node's own token).
 """
+import sys
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+
+from tinydiff.checks import COUNT, Rule, UserError
+from tinydiff.ddtree import Tree, best_first, check_tree_args, ddtree_generate, draft_logprobs
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, block_loss, dflash_generate, packed_logits, sample_anchors
+from tinydiff.io.checkpoint import AR_KINDS, dflash_config, load_checkpoint, rebuild_around
+from tinydiff.io.checkpoint import drafter_from as plain_drafter_from
+from tinydiff.io.cli import run_main, story_parser, write_story
+from tinydiff.sampling import next_token_probs, sample
+
+RANK = Rule(integer=True, lo=0, hi=4096)  # a Markov head's rank, 0 = none
 
 
 class MarkovHead(nn.Module):
@@ -37,11 +50,29 @@ class MarkovHead(nn.Module):
         return self.up(self.down(previous))
 
 
+@dataclass
+class MarkovConfig(DFlashConfig):
+    markov_rank: int = 0  # the head's rank r (0: plain DFlash)
+
+    def __post_init__(self):
+        super().__post_init__()
+        RANK.check("DFlash config markov_rank", self.markov_rank)
+
+
+class MarkovDrafter(DFlashDrafter):
+    """A DFlash drafter with a Markov head (`markov`, None at rank 0); a new head starts at W2 = 0."""
+
+    def __init__(self, config: MarkovConfig, target):
+        super().__init__(config, target)
+        self.markov = MarkovHead(config.vocab_size, config.markov_rank).to(self.fc.weight.device).zero_() \
+            if config.markov_rank else None
+
+
 def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
     """Drafts (K,) and the biased logits (K, V) of the block's logits (K, V): slot k's row gets the
     bias of the token `pick` chose at slot k-1 (slot 1: first_token, the newest committed one).
     pick(row (V,)) -> a 0-dim long tensor: the argmax, or a sample. first_token may be a 0-dim tensor
-    (fused_dflash.py's graph, which never reads a value back)."""
+    (fast/fused_dflash.py's graph, which never reads a value back)."""
     if len(logits) == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device), logits
     previous = torch.as_tensor(first_token, device=logits.device)
@@ -52,3 +83,97 @@ def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
         drafts.append(previous)
         rows.append(row)
     return torch.stack(drafts), torch.stack(rows)
+
+
+def markov_drafts(drafter, logits, first_token, warp_args, generator=None, sampled=False):
+    """dflash_generate's `propose` for a MarkovDrafter: the argmax chain of the biased logits (q None, the
+    match rule's), or with `sampled` each slot drawn from its biased row warped as the target (q: those
+    rows' distributions, the rejection rule's)."""
+    head = getattr(drafter, "markov", None)  # a plain drafter drafts as plain DFlash
+    if head is None:
+        rows = logits
+        drafts = sample(next_token_probs(rows, *warp_args), generator) if sampled else \
+            next_token_probs(rows, 0).argmax(-1)
+    else:
+        def pick(row):
+            return sample(next_token_probs(row, *warp_args), generator) if sampled else \
+                next_token_probs(row, 0).argmax()
+        drafts, rows = draft_left_to_right(head, logits, first_token, pick)
+    return drafts, next_token_probs(rows, *warp_args) if sampled else None
+
+
+def markov_loss(drafter: MarkovDrafter, windows, generator=None, temperature: float | None = None):
+    """dflash_loss with slot k's logits biased by the text's token at k - 1 (teacher forcing)."""
+    B = drafter.config.block_size
+    if windows.shape[1] < B + 1:
+        raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
+    Bw, T = windows.shape
+    anchors = sample_anchors(Bw, T, B, drafter.config.anchors, generator, windows.device)  # (Bw, A)
+    logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V)
+    if getattr(drafter, "markov", None) is not None:
+        previous = (anchors[..., None] + torch.arange(B - 1, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
+        logits = logits + drafter.markov(windows.gather(1, previous).view(logits.shape[:-1])).to(logits.dtype)
+    return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
+
+
+@torch.no_grad()
+def build_markov_tree(draft_logits, head, root_token: int, budget: int) -> Tree:
+    """ddtree.build_tree with a node's children read from the next depth's logits plus the bias of the
+    node's own token (the root's: root_token, the newest committed one), as the head drafts a chain left
+    to right. A prefix scores the sum of its tokens' log-probs, each given the token before it. One head
+    product (r x V) per node that gets children. With the head's W2 = 0 this is build_tree, tree for tree."""
+    check_tree_args(draft_logits, budget)
+    D, V = draft_logits.shape
+
+    def children(depth, token):
+        previous = torch.tensor(root_token if token < 0 else token, device=draft_logits.device)
+        row = draft_logits[depth] + head(previous).to(draft_logits.dtype)  # (V,): the biased logits
+        top = torch.topk(draft_logprobs(row), min(budget, V))
+        return top.values.tolist(), top.indices.tolist()
+    return best_first(budget, D, children)
+
+
+def markov_dflash_generate(target, drafter, *args, **kwargs):
+    """dflash_generate (its arguments and result) with the drafts read through the drafter's Markov head."""
+    return dflash_generate(target, drafter, *args, propose=markov_drafts, **kwargs)
+
+
+def markov_ddtree_generate(target, drafter, *args, **kwargs):
+    """ddtree_generate (its arguments and result) with trees whose children read the drafter's Markov head."""
+    if getattr(drafter, "markov", None) is None:
+        return ddtree_generate(target, drafter, *args, **kwargs)
+    def grow(logits, root_token, n):
+        return build_markov_tree(logits, drafter.markov, root_token, n)
+    return ddtree_generate(target, drafter, *args, grow=grow, **kwargs)
+
+
+def drafter_from(ckpt: dict, target, path="checkpoint") -> DFlashDrafter:
+    """A DFlash drafter rebuilt around `target` from its checkpoint dict: a MarkovDrafter where it has a head."""
+    config = dflash_config(ckpt, path)
+    if not config.get("markov_rank"):
+        return plain_drafter_from(ckpt, target, path)
+    return rebuild_around(target, {**ckpt, "config": config}, MarkovConfig, MarkovDrafter, "a DFlash drafter", path)
+
+
+def main(argv=None):
+    """python -m tinydiff.extras.markov_head: DFlash or DDTree with a drafter that has DSpark's Markov head."""
+    p = story_parser("python -m tinydiff.extras.markov_head", "DFlash or DDTree decoding with a drafter that has "
+                     "DSpark's Markov head (train.py --model dflash --markov-rank R).")
+    p.add_argument("--draft", required=True, help="the DFlash drafter with a Markov head")
+    p.add_argument("--method", choices=["dflash", "ddtree"], default="dflash", help="a chain, or a tree")
+    p.add_argument("--k", type=COUNT, help="drafts per round (default: the drafter's block - 1)")
+    p.add_argument("--budget", type=COUNT, default=32, help="--method ddtree: tree nodes verified per round")
+    args = p.parse_args(argv)
+
+    def decode(target, prompt, generator):
+        drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
+        common = dict(temperature=0.8 if args.temperature is None else args.temperature, generator=generator)
+        if args.method == "ddtree":
+            return markov_ddtree_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
+                                          args.budget, **common)
+        return markov_dflash_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1, **common)
+    write_story(args, AR_KINDS, decode)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -31,11 +31,14 @@ draft state on an exact match of the target's own draw, where one chain gains mo
 Leviathan's rule), the confidence order (its position depends on the draws), thresholds.
 """
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from tinydiff.checks import UserError
+from tinydiff.checks import COUNT, UserError
+from tinydiff.io.checkpoint import DIFFUSION_KINDS
+from tinydiff.io.cli import diffusion_lengths, run_main, story_parser, write_story
 from tinydiff.sampler import check_args, position_entropy, prefix_cached_logits
 from tinydiff.sampling import next_token_probs, residual, sample
 from tinydiff.speculative import Speculated, Tally
@@ -154,3 +157,23 @@ class SelfSpeculated(Speculated):
     @property
     def canvases_per_token(self) -> float:
         return self.canvases / self.new_tokens
+
+
+def main(argv=None):
+    """python -m tinydiff.extras.self_speculative: a diffusion LM's one-token-per-step story in fewer forwards."""
+    p = story_parser("python -m tinydiff.extras.self_speculative", "A diffusion LM's story one token per step, "
+                     "positions drafted from its own distributions and verified in batches (lossless).")
+    p.add_argument("--k", type=COUNT, default=4, help="positions drafted a round")
+    p.add_argument("--order", choices=ORDERS, default="left_to_right", help="the order positions are committed in")
+    p.add_argument("--block-length", type=COUNT, help="blocks filled left to right (default 32)")
+    args = p.parse_args(argv)
+
+    def decode(model, prompt, generator):
+        new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
+        return self_speculative_generate(model, prompt, new, block, args.temperature or 0.0, args.order, args.k,
+                                         generator)
+    write_story(args, DIFFUSION_KINDS, decode)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,13 +1,12 @@
 """A DFlash round as one compiled graph: the block drafted, verified, judged and the drafter's context extended.
 
-dflash_decode.py's loop calls into two compiled steps a round (compiled.py's StaticDrafter and
-StaticModel) and keeps the rest eager: the drafts' argmax or draws, the target's warp, the acceptance
+dflash.py's loop calls into two compiled steps a round (compiled.compiled's drafter and target) and keeps the rest eager: the drafts' argmax or draws, the target's warp, the acceptance
 rule with its read-backs, and the drafter's `extend`. vLLM and SGLang capture a draft + verify round
 with a fixed block size as one graph; so does `dflash_round` here, for dflash_generate's two rules:
   1. draft: the drafter fills [seq[-1], MASK x (B-1)] against its static context cache (rows past the
      committed ones hidden by a mask built from a device tensor), and picks its B - 1 drafts: the argmax
      ("match") or draws ("reject"), left to right through a Markov head if the drafter has one;
-  2. verify: the target reads [seq[-1], d_1..d_{B-1}] at a tensor offset (compiled.static_forward);
+  2. verify: the target reads [seq[-1], d_1..d_{B-1}] at a tensor offset (compiled.forward_at);
   3. judge: "match": the target's samples y_0..y_{B-1}, the drafts kept while they equal them, y_n
      committed; "reject": Leviathan's rule (fused_round.verdict). A story's last rounds verify only their
      first m drafts (`live`): the graph still drafts B - 1, the rest are never kept;
@@ -20,21 +19,24 @@ eager round's tokens at every temperature. "match" spends one number per positio
 count the graph only learns: the loop draws B numbers, then rewinds the generator and spends n + 1.
 (As in fused_round.py, `sampling.sample` spends none on an exactly one-hot row at T > 0, the graph
 does; both are exact draws.)
-Rounds whose B rows would pass the context run dflash_decode's eager pieces on the static models.
+Rounds whose B rows would pass the context run dflash.py's eager pieces.
 
-Leaves out: DSpark's confidence-scheduled verify length (`min_confidence`: its rows stay on
-dflash_decode.py's loop over compiled steps), draft trees (ddtree.py), batches.
+Leaves out: DSpark's confidence-scheduled verify length (extras/dflash_reject.py, on compiled steps),
+draft trees (ddtree.py), batches.
 """
+from functools import partial
+
 import torch
 
 from tinydiff.checks import UserError
-from tinydiff.dflash import RULES, check_drafter, commit, draft_and_verify, start_decoding
-from tinydiff.extras.markov_head import draft_left_to_right
-from tinydiff.fast.compiled import Compiled, StaticDrafter, StaticModel, static_forward
+from tinydiff.dflash import check_drafter, draft_block, start_decoding
+from tinydiff.extras.dflash_reject import RULES
+from tinydiff.extras.markov_head import draft_left_to_right, markov_drafts
+from tinydiff.fast.compiled import Compiled, compile_seconds, compiled, forward_at
 from tinydiff.fast.fused_round import PREFILL_CHUNK, RewindableDraws, padded, uniforms, verdict
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import draftable, inverse_cdf, next_token_probs
-from tinydiff.speculative import Tally
+from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK
 
 
@@ -42,7 +44,7 @@ def pick_drafts(logits, first, u, warp_args, markov=None):
     """The drafts (K,) from the block's logits (K, V) and their distributions q (K, V): warped by
     warp_args, the argmax at temperature 0, else inverse-CDF draws with the uniforms u (K, 1). With a
     Markov head, slot by slot, each row biased by the draft before it (slot 1: `first`, (1,) the newest
-    committed token). dflash_decode's argmax_drafts / sampled_drafts, without host synchronisation."""
+    committed token). dflash.argmax_drafts / extras.dflash_reject.sampled_drafts, without host synchronisation."""
     def pick(row, j):  # row (1, V) -> its draft (1,) and q (1, V)
         q = next_token_probs(row, *warp_args)
         return (q.argmax(-1) if warp_args[0] == 0 else inverse_cdf(q, u[j:j + 1])), q
@@ -64,7 +66,7 @@ def target_picks(logits, warp_args, u):
 
 
 def match_verdict(y, drafts, live):
-    """dflash_decode.sample_and_match given the target's samples y (K+1,) at every position (`target_picks`;
+    """dflash.match given the target's samples y (K+1,) at every position (`target_picks`;
     only the first n + 1 are the eager loop's draws), drafts (K,), live (K,) as in fused_round.verdict.
     Returns n and the token, 0-d tensors."""
     n = ((y[:-1] == drafts) & live).long().cumprod(0).sum()  # (): drafts kept up to the first mismatch
@@ -95,9 +97,10 @@ def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft
     """
     logits, at = draft_block_static(drafter, draft_cache, idx, start, len(live) + 1)  # (B-1, V), (B,)
     greedy, match = warp_args[0] == 0, rule == "match"
-    drafts, q = pick_drafts(logits, idx, u_draft, (0.0, None, None) if match else warp_args, drafter.markov)
+    drafts, q = pick_drafts(logits, idx, u_draft, (0.0, None, None) if match else warp_args,
+                            getattr(drafter, "markov", None))
     x = torch.cat([idx, drafts])[None]  # (1, B)
-    logits, hidden = static_forward(target, target_cache, x, at, at, None)  # (1, B, V), L + 1 x (1, B, D)
+    logits, hidden = forward_at(target, target_cache, x, at, at)  # (1, B, V), L + 1 x (1, B, D)
     if match:
         n, token = match_verdict(target_picks(logits[0], warp_args, u_last), drafts, live)
     else:
@@ -108,32 +111,38 @@ def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft
     return torch.cat([drafts, n.view(1), token.view(1)])
 
 
-def static_pair(target, drafter, compile=True):
-    """A target and a DFlash drafter wrapped for a fused round (FusedDFlash, fused_ddtree.FusedDDTree): the
-    target's forward compiled for a prefill of PREFILL_CHUNK tokens (the bench's openings read but their
-    newest token), the drafter's for nothing (it runs alone only in the eager rounds at the context's end)."""
-    return StaticModel(target, (PREFILL_CHUNK,), compile), StaticDrafter(drafter, (), compile)
+def eager_round(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule, warp_args, generator):
+    """dflash_generate's round, for the rounds at the context's end: (drafts, n, token, the verify's hidden)."""
+    propose, judge = RULES[rule]
+    if getattr(drafter, "markov", None) is not None:
+        propose = partial(markov_drafts, sampled=rule == "reject")
+    device = target.embed.weight.device
+    drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+    if n_drafts:
+        logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
+        drafts, q = propose(drafter, logits, seq[-1], warp_args, generator)
+    x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+    logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)
+    n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, warp_args[0] == 0)
+    return drafts.tolist(), n, token, hidden
 
 
 class FusedDFlash:
-    """A target (StaticModel) and a DFlash drafter (StaticDrafter) whose rounds of a block of `block_size`
-    (default the drafter's) run as one compiled dflash_round (with `compile`: True, a COMPILE_MODES name, or
-    False for eager). The wrappers read the prompt and run the rounds at the context's end."""
+    """A target and a DFlash drafter whose rounds of a block of `block_size` (default the drafter's) run as
+    one compiled dflash_round (with `compile`: True, a COMPILE_MODES name, or False for eager). The target,
+    compiled for a prefill of PREFILL_CHUNK tokens, reads the prompt; both run the rounds at the context's end."""
 
-    def __init__(self, target: StaticModel, drafter: StaticDrafter, block_size=None, compile=True):
-        if not isinstance(target, StaticModel) or not isinstance(drafter, StaticDrafter):
-            raise UserError("a fused DFlash round needs the target as a StaticModel and the drafter as a StaticDrafter")
-        self.target, self.drafter = target, drafter
+    def __init__(self, target, drafter, block_size=None, compile=True):
         self.block_size = check_drafter(target, drafter, block_size)
-        self.round = Compiled(lambda *a: dflash_round(target.module, drafter.module, *a), target.embed.weight.device,
+        self.target, self.drafter = compiled(target, (PREFILL_CHUNK,), compile), compiled(drafter, (), compile)
+        self.round = Compiled(lambda *a: dflash_round(target, drafter, *a), target.embed.weight.device,
                               (self.block_size,), compile)
         slots = torch.arange(self.block_size - 1, device=target.embed.weight.device)
         self.live = [slots < m for m in range(self.block_size)]  # (B-1,) each: the first m slots verified
 
     @property
     def compile_seconds(self) -> float:
-        return self.target.compile_seconds + self.drafter.compile_seconds + self.round.compile_seconds
-
+        return compile_seconds([self.target, self.drafter]) + self.round.compile_seconds
     def fits(self, target_cache, draft_cache, seq) -> bool:
         """Whether a round after seq has room for its B rows in both caches."""
         return len(seq) - 1 + self.block_size <= min(target_cache.capacity, draft_cache.capacity)
@@ -167,27 +176,32 @@ class FusedDFlash:
 @torch.no_grad()
 def fused_dflash_generate(fused: FusedDFlash, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                           generator=None, stop_token=EOT, on_round=None, rule="match"):
-    """dflash_decode.dflash_generate with each round one compiled graph: the same arguments (the models and
-    the block size are fused's; no min_confidence), tokens and counts. A fused round is not split into
-    drafting and verifying (draft_seconds and verify_seconds stay None); graph_seconds is the time from its
-    graphs' calls to their read-backs, the rest of the loop's the host's."""
+    """dflash.dflash_generate (extras.dflash_reject's with rule="reject") with each round one compiled graph:
+    the same arguments (the models and the block size are fused's), tokens and counts. A fused round is not
+    split into drafting and verifying (draft_seconds and verify_seconds stay None); graph_seconds is the time
+    from its graphs' calls to their read-backs, the rest of the loop's the host's."""
     if rule not in RULES:
         raise UserError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
     target, drafter, warp_args = fused.target, fused.drafter, (temperature, top_k, top_p)
     n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens,
                                                                   fused.block_size, warp_args)
-    seq, out, tally, graph_start = list(prompt), [], Tally(B - 1), fused.round.read_seconds
-    tally.prefill = prefill
+    seq, out, tally, graph_start = list(prompt), [], Tally(B - 1, prefill=prefill), fused.round.read_seconds
     while len(out) < n_new:
         n_drafts = min(B - 1, n_new - len(out) - 1)  # as dflash_generate: never past n_new
         if fused.fits(target_cache, draft_cache, seq):
             drafts, n, token = fused.run_round(target_cache, draft_cache, seq, rule, warp_args, generator, n_drafts)
             hidden = None  # the graph extended the drafter's context
-        else:  # at the context's end: dflash_generate's pieces
-            drafts, n, token, hidden = draft_and_verify(target, drafter, target_cache, draft_cache, seq, n_drafts, B,
-                                                        rule, warp_args, generator)
-            drafts = drafts.tolist()
-        tokens, stopped = commit(seq, out, drafts[:n] + [token], stop_token, target_cache, drafter, draft_cache, hidden)
+        else:  # at the context's end: dflash_generate's round
+            drafts, n, token, hidden = eager_round(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule,
+                                                   warp_args, generator)
+        tokens, stopped = cut_at_stop(drafts[:n] + [token], stop_token)
+        seq += tokens
+        out += tokens
+        target_cache.crop(len(seq) - 1)  # the newest token is read next round
+        if hidden is None:
+            draft_cache.crop(len(seq) - 1)
+        else:
+            drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])
         tally.add(n, len(drafts), int(n_drafts > 0))
         if on_round is not None:
             on_round({"drafts": drafts, "accepted": n, "tokens": tokens, "seq": list(seq),

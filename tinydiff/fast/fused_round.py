@@ -29,7 +29,7 @@ fused_ddtree.py's.
 import torch
 
 from tinydiff.ar import check_prompt
-from tinydiff.fast.compiled import Compiled, StaticModel, static_forward
+from tinydiff.fast.compiled import Compiled, compiled, forward_at
 from tinydiff.fast.compiled_round import StaticSubsetDraft, draft_chain
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, in_vocab
 from tinydiff.kernels import kernels_enabled
@@ -102,7 +102,7 @@ def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, 
     drafts, picks, small = draft_chain(draft, head, ids, draft_cache, idx, rows, u_draft, k, warp_args)
     x = torch.cat([idx[0, -1:], drafts])[None]  # (1, K + 1): the newest token, then the drafts
     at = rows[-1] + torch.arange(k + 1, device=idx.device)  # (K + 1,): positions, and cache rows
-    logits, _ = static_forward(target, target_cache, x, at, at, None)  # (1, K + 1, V)
+    logits, _ = forward_at(target, target_cache, x, at, at)  # (1, K + 1, V)
     temperature, top_k, top_p = warp_args
     if temperature > 0 and top_k is None and top_p is None:
         n, token = sampled_verdict(logits[0], small, picks, ids, drafts, u_accept, u_last, temperature, live)
@@ -113,10 +113,10 @@ def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, 
     return torch.cat([drafts, n.view(1), token.view(1)])
 
 
-def prefill(model: StaticModel, cache, tokens: list, chunk: int = PREFILL_CHUNK):
+def prefill(model, cache, tokens: list, chunk: int = PREFILL_CHUNK):
     """Read tokens (a list of ids) into the empty static cache in forwards of `chunk` tokens, the last one
     padded (with copies of the last token) to the full chunk where the context leaves room: the prompt
-    then compiles once, whatever its length, where a StaticModel compiles `chunk`. The padding's rows
+    then compiles once, whatever its length, where a compiled model compiles `chunk`. The padding's rows
     lie past the cache's length, where the next tokens overwrite them before anything reads them.
     Returns the last token's logits (1, V) and the number of forwards."""
     device = model.embed.weight.device
@@ -179,21 +179,21 @@ class FusedSpeculation:
     speculative_round, a story's last rounds (fewer drafts verified) too. The draft reads the token before
     its newest again when it lacks only one, so every round after a 1-token prompt's first has one shape
     and one graph: with two, a round often follows the other's, and each graph holds its own frozen
-    copy of the target's head, which the switch reads from memory again. `target` (a StaticModel) and
+    copy of the target's head, which the switch reads from memory again. `target` (compiled.compiled) and
     `draft` (a StaticSubsetDraft of k drafts) run the rounds at the context's end, where k drafts have
     no room, with the eager rule."""
 
-    def __init__(self, target: StaticModel, draft: StaticSubsetDraft, compile=True):
+    def __init__(self, target, module, draft: StaticSubsetDraft, compile=True):
         self.target, self.draft, self.k = target, draft, draft.k
         pruned = draft.module
-        self.round = Compiled(lambda *a: speculative_round(target.module, pruned.draft, pruned.rows, pruned.ids, *a),
+        self.round = Compiled(lambda *a: speculative_round(module, pruned.draft, pruned.rows, pruned.ids, *a),
                               target.embed.weight.device, (1, 2), compile)
         slots = torch.arange(self.k, device=target.embed.weight.device)
         self.live = [slots < m for m in range(self.k + 1)]  # (k,) each: the first m slots verified
 
     @property
     def compile_seconds(self) -> float:
-        return self.target.compile_seconds + self.draft.compile_seconds + self.round.compile_seconds
+        return self.target.compiled_step.compile_seconds + self.draft.compile_seconds + self.round.compile_seconds
 
     def fits(self, target_cache, draft_cache, seq) -> bool:
         """Whether a round after seq has room in both caches: the target writes k + 1 rows, the draft k."""
@@ -228,7 +228,7 @@ def fused_speculation(target, draft, k: int, compile=True) -> FusedSpeculation:
     as the subset of every id: the same tokens) of k drafts a round, compiled with `compile`; both wrappers
     read the prompt in compiled chunks."""
     subset = draft if isinstance(draft, FrequentVocabDraft) else every_id(draft)
-    return FusedSpeculation(StaticModel(target, (PREFILL_CHUNK,), compile),
+    return FusedSpeculation(compiled(target, (PREFILL_CHUNK,), compile), target,
                             StaticSubsetDraft(subset, k, compile, hot=(PREFILL_CHUNK,)), compile)
 
 

@@ -28,8 +28,8 @@ import torch
 
 from tinydiff.ar import Decoded, check_prompt, elapsed
 from tinydiff.checks import UserError
-from tinydiff.fast.compiled import Compiled, StaticModel, static_forward
-from tinydiff.fast.fused_round import RewindableDraws, padded, prefill
+from tinydiff.fast.compiled import Compiled, compiled, forward_at
+from tinydiff.fast.fused_round import PREFILL_CHUNK, RewindableDraws, padded, prefill
 from tinydiff.kernels import kernels_enabled
 from tinydiff.sampling import check_warp_args, inverse_cdf, next_token_probs
 from tinydiff.tokenizer import EOT
@@ -38,7 +38,7 @@ from tinydiff.tokenizer import EOT
 def sampled_step(model, cache, idx, rows, u, warp_args):
     """An ar_generate step: idx (1, 1) the newest token at rows (1,); u (1, 1) float64
     (unread when greedy). Returns the next token (1,)."""
-    logits, _ = static_forward(model, cache, idx, rows, rows, None)  # (1, 1, V)
+    logits, _ = forward_at(model, cache, idx, rows, rows)  # (1, 1, V)
     p = next_token_probs(logits[0], *warp_args)  # (1, V)
     return p.argmax(-1) if warp_args[0] == 0 else inverse_cdf(p, u)
 
@@ -56,22 +56,19 @@ def decode_steps(model, cache, idx, rows, u, warp_args, steps: int):
 
 
 class FusedSteps:
-    """A model for multi_step_generate: `model`, a StaticModel, reads the prompt (its prefill), and `call`
-    is decode_steps of `steps` tokens compiled (with `compile`: True, a COMPILE_MODES name, or False).
-    steps=1 is `ar` with --compile (the bench's row, generate.py)."""
+    """A model for multi_step_generate: `model` (compiled.compiled for the prefill's chunk) reads the prompt,
+    and `call` is decode_steps of `steps` tokens compiled (with `compile`: True, a COMPILE_MODES name, or
+    False) on `module`, the model itself."""
 
-    def __init__(self, model: StaticModel, steps: int, compile=True):
-        if not isinstance(model, StaticModel):
-            raise UserError("multi-step decoding needs the model as a StaticModel")
+    def __init__(self, module, steps: int, compile=True):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise UserError(f"steps per graph must be an integer >= 1, got {steps!r}")
-        self.model, self.steps = model, steps
-        self.call = Compiled(lambda *a: decode_steps(model.module, *a, steps), model.embed.weight.device, (steps,),
-                             compile)
+        self.model, self.module, self.steps = compiled(module, (PREFILL_CHUNK,), compile), module, steps
+        self.call = Compiled(lambda *a: decode_steps(module, *a, steps), module.embed.weight.device, (steps,), compile)
 
     @property
     def compile_seconds(self) -> float:
-        return self.model.compile_seconds + self.call.compile_seconds
+        return self.model.compiled_step.compile_seconds + self.call.compile_seconds
 
 
 @torch.no_grad()
@@ -99,7 +96,7 @@ def multi_step_generate(fused: FusedSteps, prompt, max_new_tokens=None, temperat
                 tokens = fused.call(steps, warp_args, cache, idx, rows, u, warp_args).tolist()[:wanted]
                 forwards += steps
             else:  # at the context's end: one token at a time
-                tokens = sampled_step(model.module, cache, idx, rows, draws.draw((1, 1)), warp_args).tolist()
+                tokens = sampled_step(fused.module, cache, idx, rows, draws.draw((1, 1)), warp_args).tolist()
                 forwards += 1
         if stop_token in tokens:  # the story ends inside the call: keep its tokens up to the stop
             tokens = tokens[:tokens.index(stop_token) + 1]

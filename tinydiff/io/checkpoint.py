@@ -39,22 +39,12 @@ from pathlib import Path
 
 import torch
 
-from tinydiff.checks import (
-    COUNT_OR_NONE,
-    UserError,
-    brief_error,
-)
-from tinydiff.dflash import DFlashConfig, DFlashDrafter
-from tinydiff.dmoe import MOE_KINDS, MoEConfig
-from tinydiff.eagle3 import KIND, EagleConfig, EagleHead
-from tinydiff.fp4 import moe_model
-from tinydiff.io.files import write_atomic
-from tinydiff.io.hf_format import read_folder
+from tinydiff.checks import COUNT_OR_NONE, UserError, brief_error
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.tokenizer import VOCAB_SIZE
 
 FORMAT = "tinydiff-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: DFlash feature ids counted blocks, where a field did not say otherwise (dflash_config)
 KINDS = ("mdlm", "ar", "mdlm-moe", "ar-moe", "dflash", "eagle3")
 
 
@@ -71,14 +61,22 @@ def save_checkpoint(path, *, kind: str, config: ModelConfig, model, **extra):
         except RuntimeError as e:  # torch's zip writer reports a full disk as a RuntimeError
             raise OSError(f"torch.save stopped part way, is the disk full? {brief_error(e, 80)}") from None
 
+    from tinydiff.io.files import write_atomic  # what loads a checkpoint never imports what writes one
     write_atomic(path, write)
 
 
-def load_checkpoint(path, map_location="cpu") -> dict:
-    """Read and validate a checkpoint (a .pt file, or a folder `python -m tinydiff.tools.export` wrote); every
-    failure is a UserError that names the file."""
-    path = Path(path)
+def load_checkpoint(path, map_location="cpu", kinds=None) -> dict:
+    """Read and validate a checkpoint (a .pt file, or a folder `python -m tinydiff.tools.export` wrote) of one
+    of `kinds` (None: any); every failure is a UserError that names the file."""
+    ckpt = read_checkpoint(Path(path), map_location)
+    if kinds is not None and ckpt["kind"] not in kinds:
+        raise UserError(f"{path} holds a {ckpt['kind']} model; this needs {' or '.join(dict.fromkeys(kinds))}")
+    return ckpt
+
+
+def read_checkpoint(path: Path, map_location) -> dict:
     if path.is_dir() and (path / "config.json").is_file():  # an exported folder (tinydiff/io/hf_format.py)
+        from tinydiff.io.hf_format import read_folder
         ckpt = {"format": FORMAT, "version": VERSION, **read_folder(path)}
         check_contents(ckpt, path)
         return ckpt
@@ -102,8 +100,8 @@ def load_checkpoint(path, map_location="cpu") -> dict:
                         f"{brief_error(detail[1] if detail else e)}); re-run training or pick another file") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UserError(f"{path} is not a tinydiff checkpoint (no '{FORMAT}' marker); pass one written by train.py")
-    if ckpt.get("version") != VERSION:
-        raise UserError(f"{path} has checkpoint version {ckpt.get('version')!r}, this code reads {VERSION}")
+    if ckpt.get("version") not in (1, VERSION):
+        raise UserError(f"{path} has checkpoint version {ckpt.get('version')!r}, this code reads 1 and {VERSION}")
     check_contents(ckpt, path)
     return ckpt
 
@@ -154,14 +152,23 @@ class StopOnSignal:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-# kind -> (config class, what builds the model from a config); every other kind is a plain Transformer
-ARCHITECTURES = {kind: (MoEConfig, moe_model) for kind in MOE_KINDS}
+MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)
 AR_KINDS = ("ar", "ar-moe")  # the causal LMs: what AR decoding, a draft's or drafter's --target and spec decode
 DIFFUSION_KINDS = ("mdlm", "mdlm-moe")  # the masked diffusion LMs: what the diffusion samplers decode
 
 
+def architecture(kind: str):
+    """(config class, what builds the model from a config) of a checkpoint kind: the plain Transformer, or for
+    the MoE kinds dmoe.py's, with fp4.py's packed experts where the config says so (imported only then)."""
+    if kind not in MOE_KINDS:
+        return ModelConfig, Transformer
+    from tinydiff.dmoe import MoEConfig
+    from tinydiff.fp4 import moe_model
+    return MoEConfig, moe_model
+
+
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
-    config_class, _ = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
+    config_class, _ = architecture(ckpt.get("kind"))
     known = {f.name for f in fields(config_class)}
     unknown = set(ckpt["config"]) - known
     if unknown:
@@ -191,7 +198,7 @@ def implied_params(config) -> int:
     """About the parameters a config implies (embedding, attention, feed-forward or experts). Only a
     gate for the exact check: a term it leaves out (norms, routers) costs time, never safety."""
     ffn = 3 * config.d_model * config.d_ff
-    if isinstance(config, MoEConfig):
+    if hasattr(config, "n_experts"):
         ffn = 3 * config.d_model * config.expert_d_ff * (config.n_experts + config.shared_expert)
         if config.expert_format != "float":  # FP4 experts: half a byte per weight, plus a scale per block
             ffn = ffn // 2 + ffn // config.expert_block
@@ -200,7 +207,7 @@ def implied_params(config) -> int:
 
 def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
     """Build the model a checkpoint describes and load its weights."""
-    _, model_class = ARCHITECTURES.get(ckpt.get("kind"), (ModelConfig, Transformer))
+    _, model_class = architecture(ckpt.get("kind"))
     config = config_from(ckpt, path)
     if implied_params(config) > 1.1 * sum(t.numel() for t in ckpt["model"].values()):
         with torch.device("meta"):
@@ -216,10 +223,7 @@ def model_from(ckpt: dict, path="checkpoint", device="cpu") -> Transformer:
 
 def load_model(path, device="cpu", kinds=None):
     """(model in eval mode, checkpoint dict); `kinds` lists the acceptable checkpoint kinds."""
-    ckpt = load_checkpoint(path)
-    if kinds is not None and ckpt["kind"] not in kinds:
-        wanted = list(dict.fromkeys(kinds))
-        raise UserError(f"{path} holds a {ckpt['kind']} model; this needs {' or '.join(wanted)}")
+    ckpt = load_checkpoint(path, kinds=kinds)
     return model_from(ckpt, path, device).eval(), ckpt
 
 
@@ -237,15 +241,38 @@ def rebuild_around(target, ckpt: dict, config_class, drafter_class, what: str, p
     return drafter.eval()
 
 
-def drafter_from(ckpt: dict, target: Transformer, path="checkpoint") -> DFlashDrafter:
-    """Rebuild a drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`.
-    A config from before `feature_ids` existed read its ids after that many blocks: it keeps reading them so."""
-    stored = {**ckpt, "config": {"feature_ids": "after_blocks", **ckpt["config"]}}
-    return rebuild_around(target, stored, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)
+def dflash_config(ckpt: dict, path) -> dict:
+    """A DFlash drafter's stored config as this code's DFlashConfig reads it. A drafter saved before ids meant
+    a block's output (a version 1 file without `feature_ids`, or with "after_blocks") read its ids after that
+    many blocks: id i is block i - 1's output now. A stored markov_rank of 0 (no head) is dropped; above 0 it stays, for
+    tinydiff/extras/markov_head.py."""
+    config = dict(ckpt["config"])
+    ids = config.pop("feature_ids", "after_blocks" if ckpt.get("version", VERSION) == 1 else "block_output")
+    if ids not in ("after_blocks", "block_output"):
+        raise UserError(f"{path}: the drafter's feature_ids must be after_blocks or block_output, got {ids!r}")
+    if ids == "after_blocks" and config.get("feature_layers") is not None:
+        if 0 in config["feature_layers"]:
+            raise UserError(f"{path}: this drafter reads the target's embeddings (feature id 0 of an old drafter), "
+                            "which this code cannot read; train it again")
+        config["feature_layers"] = [i - 1 for i in config["feature_layers"]]
+    if config.get("markov_rank") == 0:
+        del config["markov_rank"]
+    return config
 
 
-def head_from(ckpt: dict, target: Transformer, path="checkpoint") -> EagleHead:
+def drafter_from(ckpt: dict, target: Transformer, path="checkpoint"):
+    """Rebuild a DFlash drafter from {"config": asdict(DFlashConfig), "model": state_dict} around `target`."""
+    from tinydiff.dflash import DFlashConfig, DFlashDrafter
+    config = dflash_config(ckpt, path)
+    if config.get("markov_rank"):
+        raise UserError(f"{path} is a DFlash drafter with DSpark's Markov head (a research variant): decode with "
+                        "python -m tinydiff.extras.markov_head")
+    return rebuild_around(target, {**ckpt, "config": config}, DFlashConfig, DFlashDrafter, "a DFlash drafter", path)
+
+
+def head_from(ckpt: dict, target: Transformer, path="checkpoint"):
     """Rebuild a head from {"kind": "eagle3", "config": asdict(EagleConfig), "model": state_dict} around `target`."""
+    from tinydiff.eagle3 import KIND, EagleConfig, EagleHead
     if ckpt.get("kind", KIND) != KIND:
         raise UserError(f"{path} holds a {ckpt['kind']!r} model, not an EAGLE-3 head ({KIND!r})")
     return rebuild_around(target, ckpt, EagleConfig, EagleHead, "an EAGLE-3 head", path)

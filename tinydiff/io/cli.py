@@ -4,15 +4,22 @@ program early into one line and an exit status instead of a traceback:
   a user mistake (UserError, a bad flag)  -> "error: ..." on stderr, status 1 (argparse's: 2)
   Ctrl-C outside a training loop           -> "interrupted: ..." on stderr, status 130
   stdout closed by its reader (`| head`)   -> quiet, status 1 (Python's own convention for EPIPE)
-A training loop catches Ctrl-C itself, to save first (checkpoint.StopOnSignal).
+A training loop catches Ctrl-C itself, to save first (checkpoint.StopOnSignal). The entry points that
+write a story (generate.py, the variants' own in tinydiff/extras/) share `story_parser`'s flags, the
+prompt's encoding and `print_story`.
 """
 import argparse
+import json
 import os
+import shutil
 import sys
 
 import torch
 
-from tinydiff.checks import UserError
+from tinydiff.checks import COUNT, SEED, TEMPERATURE, UserError
+from tinydiff.tokenizer import EOT, Tokenizer
+
+COMPILE_MODES = ("default", "max-autotune")  # what --compile takes; a bare --compile is "default"
 
 
 class DefaultsHelp(argparse.HelpFormatter):
@@ -87,4 +94,87 @@ def run_main(main, argv=None, interrupted: str = "nothing was written") -> int:
         return 1
 
 
-COMPILE_MODES = ("default", "max-autotune")  # what --compile takes; a bare --compile is "default"
+def story_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with the flags every entry point that writes a story shares."""
+    p = make_parser(prog, description)
+    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (or a folder tinydiff.tools.export "
+                   "wrote)")
+    p.add_argument("--prompt", required=True, help="the story's opening")
+    p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object {text, prompt_ids, ids, stats}")
+    p.add_argument("--temperature", type=TEMPERATURE, help="0 = greedy (default: 0.8 for an AR model, 0 for "
+                   "a diffusion LM)")
+    p.add_argument("--max-new-tokens", type=COUNT, help="tokens to write (default: until the story ends or the "
+                   "context is full; a diffusion LM: 128, as many as fit)")
+    return p
+
+
+def encode_prompt(text: str) -> tuple[Tokenizer, list[int]]:
+    """The tokenizer, and the prompt's ids: EOT (every training story follows one: how a model knows a story
+    starts), then the text as plain text."""
+    if not text.strip():
+        raise UserError("the prompt is empty; pass some text, e.g. --prompt 'Once upon a time'")
+    tokenizer = Tokenizer()
+    return tokenizer, [EOT] + tokenizer.encode(text)
+
+
+def write_story(args, kinds, decode):
+    """What a story-writing entry point does once its flags are parsed: check the device, load --ckpt (a model of
+    one of `kinds`), encode --prompt, run decode(model, prompt, generator) -> (new ids, result), print."""
+    from tinydiff.io.checkpoint import load_model
+    check_device(args.device)
+    model, _ = load_model(args.ckpt, args.device, kinds=kinds)
+    tokenizer, prompt = encode_prompt(args.prompt)
+    ids, result = decode(model, prompt, torch.Generator(args.device).manual_seed(args.seed))
+    print_story(args, tokenizer, prompt, ids, result.row())
+
+
+def diffusion_lengths(model, prompt: list[int], max_new_tokens, block_length) -> tuple[int, int]:
+    """A diffusion LM's canvas after the prompt, and its block: --max-new-tokens (default as many whole
+    blocks of 32 as fit, at most 128) and --block-length (default 32, or the canvas where that is shorter)."""
+    room = model.config.context - len(prompt)
+    new = max_new_tokens or min(128, room - room % 32) or room
+    return new, block_length or min(32, new)
+
+
+def print_story(args, tokenizer, prompt: list[int], ids: list[int], stats: dict):
+    """The prompt and the new ids up to the story's end (its first EOT) to stdout, the stats on one line to
+    stderr; with --json one object to stdout instead."""
+    story = ids[:ids.index(EOT)] if EOT in ids else ids
+    text = args.prompt + tokenizer.decode(story)
+    if args.json:
+        print(json.dumps({"text": text, "prompt_ids": prompt, "ids": ids, "stats": stats}))
+        return
+    print(text)
+    print(stats_line(stats), file=sys.stderr)
+
+
+def stats_line(stats: dict) -> str:
+    """One line of stats; what does not apply to this method (None: a tree's alpha) is left out."""
+    def shown(v):
+        if isinstance(v, list):
+            return "[" + ", ".join("-" if x is None else shown(x) for x in v) + "]"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    names = {"tau": "tau (tokens per round)"}  # a round is one verify forward; the prompt's prefill is not one
+    return " | ".join(f"{names.get(k, k)} {shown(v)}" for k, v in stats.items() if v is not None)
+
+
+class CanvasView:
+    """Redraws the canvas in place as the sampler commits tokens (masks show as placeholders)."""
+
+    def __init__(self, tokenizer, prompt_text: str, prompt_len: int):
+        self.tokenizer, self.prompt_text, self.prompt_len = tokenizer, prompt_text, prompt_len
+        self.width, self.lines = shutil.get_terminal_size().columns, 0
+
+    def __call__(self, event):
+        self.clear()
+        text = self.prompt_text + self.tokenizer.decode(event["canvas"][self.prompt_len:].tolist())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        self.lines = sum(max(1, -(-len(line) // self.width)) for line in text.split("\n"))
+
+    def clear(self):
+        if self.lines:  # cursor up to the frame's first line, erase to the end of the screen
+            sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
+            self.lines = 0

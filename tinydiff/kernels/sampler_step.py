@@ -29,7 +29,6 @@ import functools
 
 import torch
 
-from tinydiff.diffusion import subs_logits
 from tinydiff.kernels import check_device, use_triton
 from tinydiff.tokenizer import MASK
 
@@ -54,7 +53,9 @@ def check_inputs(logits, temperature, uniforms):
 def sampler_step_reference(logits, temperature: float, uniforms=None):
     """sampler.propose's low_confidence math with the noise given: (candidates (N,), confidence (N,) f64)."""
     check_inputs(logits, temperature, uniforms)
-    logits = subs_logits(logits).double()  # (N, V)
+    logits = logits.double()  # (N, V); MASK is never a candidate (diffusion.subs_logits)
+    if logits.shape[-1] > MASK:
+        logits = logits.index_fill(-1, torch.tensor([MASK], device=logits.device), float("-inf"))
     if temperature > 0:
         candidates = (logits / temperature - torch.log(-torch.log(uniforms.double()))).argmax(-1)
     else:

@@ -18,9 +18,8 @@ from pathlib import Path
 
 from tinydiff import fp4
 from tinydiff.checks import Rule, UserError
-from tinydiff.dmoe import MOE_KINDS
 from tinydiff.fp4 import quantize_experts
-from tinydiff.io.checkpoint import config_from, load_checkpoint, model_from, save_checkpoint
+from tinydiff.io.checkpoint import MOE_KINDS, config_from, load_checkpoint, model_from, save_checkpoint
 from tinydiff.io.cli import make_parser, run_main
 from tinydiff.io.files import check_output
 

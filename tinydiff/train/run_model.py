@@ -8,15 +8,16 @@ from dataclasses import replace
 
 from tinydiff.checks import UserError
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
-from tinydiff.dmoe import MOE_KINDS, MoETransformer, moe_config, set_routing
+from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle3 import EagleConfig, EagleHead
 from tinydiff.extras.ar_moe import ar_moe_config
 from tinydiff.extras.distill import student_from
+from tinydiff.extras.markov_head import MarkovConfig, MarkovDrafter, drafter_from
 from tinydiff.extras.qat import fake_quantize_experts
 from tinydiff.io.checkpoint import (
     AR_KINDS,
     DIFFUSION_KINDS,
-    drafter_from,
+    MOE_KINDS,
     head_from,
     load_checkpoint,
     load_model,
@@ -52,7 +53,7 @@ def init_checkpoint(run: dict) -> dict:
 def check_init_shape(run: dict, config, wanted: dict):
     """A model continued from --init keeps its shape: a flag asking for another one is an error."""
     for key, value in wanted.items():
-        if getattr(config, key) != value:
+        if getattr(config, key, 0) != value:  # a plain DFlash config has no markov_rank: rank 0
             flag = {"n_layer": "drafter-layers", "n_experts": "experts", "moe_top_k": "top-k"}.get(key, key)
             raise UserError(f"--init {run['init']} has {key} {getattr(config, key)}, this run asks for {value}; "
                             f"pass --{flag.replace('_', '-')} to match, or start without --init")
@@ -116,7 +117,11 @@ def build_drafter(run: dict, device: str, ckpt=None, path=None):
         given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"],
                  "markov_rank": run["markov_rank"]}
         overrides = {key: value for key, value in given.items() if value is not None}
+        if ckpt is None and overrides.get("markov_rank"):  # DSpark's Markov head (extras/markov_head.py)
+            return MarkovDrafter(MarkovConfig.for_target(target.config, block_size=run["block_size"], **overrides),
+                                 target)
         if ckpt is None:
+            overrides.pop("markov_rank", None)  # rank 0: plain DFlash
             return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
                                  target)
         drafter, wanted = drafter_from(ckpt, target, path), {"block_size": run["block_size"], **overrides}

@@ -28,6 +28,7 @@ from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.eagle3 import eagle_generate, eagle_loss
 from tinydiff.extras.ar_moe import ar_moe_loss
 from tinydiff.extras.distill import distill_run
+from tinydiff.extras.markov_head import MarkovDrafter, markov_dflash_generate, markov_loss
 from tinydiff.extras.qat import matching_loss
 from tinydiff.extras.regenerate import FILES as REGENERATED
 from tinydiff.extras.regenerate import load_or_regenerate, trim_loops, validation_stories
@@ -107,6 +108,8 @@ def sample_story(model, kind: str, tokenizer, seed: int) -> str:
         return f"(none: a block of {block} does not fit after the prompt in a context of {model.config.context})"
     if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
         decode, chain = (dflash_generate, {}) if kind == "dflash" else (eagle_generate, {"k": 4})
+        if isinstance(model, MarkovDrafter):
+            decode = markov_dflash_generate
         ids, result = decode(model.target, model, prompt, n, stop_token=None, **chain)
         model.train()
         return f"tau {result.tau:.2f} (accepted {result.accepted}): Once upon a time{tokenizer.decode(ids)}"
@@ -181,6 +184,8 @@ def training_data(run: dict, model, out: Path, token_paths, device):
     """(loss, draw(step) -> batch, validation batch): corpus windows, windows of the text the target
     regenerated (--regenerate), or the states of a teacher's trajectories (--distill)."""
     loss_fn, extra = OBJECTIVES[run["model"]]
+    if isinstance(model, MarkovDrafter):  # slot k's logits biased by the token before it (DSpark's head)
+        loss_fn = markov_loss
     train_tokens, val_tokens = (load_tokens(p) for p in token_paths)
     temperature = run["draft_temperature"]  # None: greedy stories, hard labels
     if run["regenerate"] is not None and run["model"] not in (*DRAFTERS, "ar"):
