@@ -23,8 +23,17 @@ import torch
 
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, UserError
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, load_checkpoint, load_model
-from tinydiff.io.cli import (CanvasView, add_compile, check_device, diffusion_lengths, encode_prompt, given_flags,
-                             print_story, run_main, story_parser)
+from tinydiff.io.cli import (
+    CanvasView,
+    add_compile,
+    check_device,
+    diffusion_lengths,
+    encode_prompt,
+    given_flags,
+    print_story,
+    run_main,
+    story_parser,
+)
 
 AR_FAMILY = ("ar", "spec", "ssd", "dflash", "ddtree", "eagle3")
 METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": DIFFUSION_KINDS,

@@ -1,18 +1,223 @@
-"""Train a tinydiff model on TinyStories.
+"""Train a tinydiff model on TinyStories: the training loop itself, nanoGPT-style.
 
     python train.py                                   # HF TinyStories; 13m on a GPU, tiny on CPU
     python train.py --data ../shared/data/tinystories-sample.txt --max-steps 300
     python train.py --out out/ar-tiny --resume        # continue an interrupted run exactly
+    torchrun --standalone --nproc_per_node=2 train.py --model ar ...   # data-parallel
 
-AdamW with linear warmup and cosine decay, gradient clipping, mixed precision by hardware (--dtype).
-Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
-A run resumed from a checkpoint ends with the same weights as one never interrupted: batch i is
-drawn from (seed, i) alone and the checkpoint carries optimizer, step and RNG states.
+The settings a learner uses (the rest: `python train.py --help`):
+    --model mdlm | ar | mdlm-moe | ar-moe | dflash | eagle3     what to train (dflash, eagle3: with --target)
+    --preset tiny | 13m | ...   --context N                     the model's size
+    --data FILE                 TinyStories-format text (default: Hugging Face's TinyStories)
+    --max-steps N --batch-size B --lr LR --warmup N             the schedule: warmup, then a cosine to lr/10
+    --out DIR --resume          the run folder (OUT/ckpt.pt); continue it where it stopped
+    --device cpu | cuda  --dtype auto | fp32 | bf16 | fp16   where and in what precision
+
+This file is the loop: batch, forward, loss, backward, clip, step, evaluate, sample, checkpoint.
+What it calls lives in tinydiff/train/: the settings, their checks and resume (run_config.py), the
+model of each kind (run_model.py), the losses and batches (batches.py), mixed precision
+(precision.py) and data-parallel ranks (distributed.py). A resumed run ends with the same weights as
+one never interrupted: batch i and its noise come from (seed, i) alone, and the checkpoint carries
+the optimizer, step, scaler and RNG states. Checkpoints go to OUT/ckpt.pt every --ckpt-every steps,
+at the end, and on Ctrl-C or SIGTERM.
 """
+import functools
+import math
+import os
 import sys
+import time
+from contextlib import closing, nullcontext
 
-from tinydiff.io.cli import run_main
-from tinydiff.train.trainer import INTERRUPTED, main
+import torch
+from tqdm import tqdm
+
+from tinydiff.checks import COUNT, UserError, brief_error
+from tinydiff.data import prepare_tokens
+from tinydiff.io import progress
+from tinydiff.io.checkpoint import StopOnSignal, save_checkpoint
+from tinydiff.io.cli import add_device, make_parser, run_main
+from tinydiff.io.files import claim_run_folder
+from tinydiff.tokenizer import Tokenizer
+from tinydiff.train.batches import OBJECTIVES, same_data, training_data  # noqa: F401 (OBJECTIVES: tests patch it here)
+from tinydiff.train.distributed import Ranks
+from tinydiff.train.precision import DTYPES, MixedPrecision, choose_dtype
+from tinydiff.train.run_config import add_flags, check_new, run_settings
+from tinydiff.train.run_model import build_model, describe, sample_story
+
+INTERRUPTED = ("before training started; what was finished (token caches, the target's or teacher's stories, "
+               "the last checkpoint) is kept: run the same command again")
+
+
+def parse_args(argv=None):
+    p = make_parser("python train.py", "Train a tinydiff model on TinyStories.")
+    add_flags(p)  # the run's settings, one flag per RunConfig field (tinydiff/train/run_config.py)
+    p.add_argument("--cache-dir", default="data", help="token cache when the data's folder is not writable, and for Hugging Face")
+    p.add_argument("--out", help="run folder for ckpt.pt (default: out/MODEL-PRESET)")
+    p.add_argument("--ckpt-every", type=COUNT, default=250, help="checkpoint every N steps")
+    add_device(p)
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="training precision (default: the resumed run's own, else auto: bf16 on a GPU with bf16 units, "
+                        "fp16 with a gradient scaler on one without (T4, V100, P100), fp32 on a CPU)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    return p.parse_args(argv)
+
+
+def lr_at(step: int, run: dict) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at max_steps (nanoGPT's schedule)."""
+    if step < run["warmup"]:
+        return run["lr"] * (step + 1) / run["warmup"]
+    progress = (step - run["warmup"]) / max(1, run["max_steps"] - run["warmup"])
+    return run["min_lr"] + 0.5 * (run["lr"] - run["min_lr"]) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model, run: dict):
+    """AdamW with betas (0.9, 0.95); weight decay on matrices only, never on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": run["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=run["lr"], betas=(0.9, 0.95))
+
+
+def backward_and_step(loss, optimizer, parameters, precision, grad_clip: float, ranks=None) -> bool:
+    """Backward, the ranks' mean gradient, clip, step; True when fp16's scaler skipped the step."""
+    scaler = precision.scaler  # fp16's GradScaler; for bf16 and fp32 a disabled one, which passes everything through
+    scale = scaler.get_scale()
+    scaler.scale(loss).backward()  # fp16: the loss scaled up, so small gradients survive float16
+    if ranks is not None:  # before unscaling: every rank then sees the same inf and skips the same step
+        ranks.average_gradients(parameters)
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    scaler.step(optimizer)  # skipped when the unscaled gradients hold inf or NaN
+    scaler.update()
+    skipped = scaler.get_scale() < scale  # the scale backs off exactly when the step was skipped
+    precision.skipped += skipped
+    return skipped
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
+    """Mean of each stat of the loss over fixed validation windows and fixed noise (the same every time)."""
+    model.eval()
+    totals = {}
+    generator = torch.Generator(windows.device).manual_seed(0)
+    for i in range(0, len(windows), batch_size):
+        with autocast:
+            _, stats = loss_fn(model, windows[i:i + batch_size], generator)
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + float(v) * len(windows[i:i + batch_size])
+    model.train()
+    stats = {k: v / len(windows) for k, v in totals.items()}
+    if "elbo" in stats:  # the bound's exp bounds the perplexity; masked_ce's does not
+        stats["ppl<="] = math.exp(stats["elbo"])
+    return stats
+
+
+def restore(optimizer, precision, ckpt, out) -> int:
+    """A resumed run's optimizer, gradient-scaler and RNG states; the step to continue from (0 for a new run)."""
+    if ckpt is None:
+        return 0
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        precision.load_state_dict(ckpt.get("precision", {}))
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise UserError(f"{out / 'ckpt.pt'}: its optimizer or random-number state does not fit this model "
+                        f"({brief_error(e, 100)}); it is damaged, so start a new run") from None
+    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    print(f"resuming {out / 'ckpt.pt'} at step {ckpt['step']}")
+    return ckpt["step"]
+
+
+def main(argv=None):
+    args, ranks = parse_args(argv), Ranks()
+    run, out, ckpt = run_settings(args)  # a new run's from the flags, a resumed run's from its checkpoint
+    ranks.check(run)
+    stored = (ckpt or {}).get("precision", {}).get("dtype")  # a resumed run keeps its precision
+    precision = MixedPrecision(choose_dtype(args.dtype or stored or "auto", args.device), args.device)
+    device = ranks.start(args.device)
+    quiet = not ranks.main  # rank 0 alone prints, draws bars and writes
+    with open(os.devnull, "w") if quiet else nullcontext(sys.stdout) as stdout, \
+            progress.routed_to(functools.partial(tqdm, disable=True)) if quiet else nullcontext():
+        sys.stdout, before, finished = stdout, sys.stdout, False
+        try:
+            train(args, ranks, run, out, ckpt, precision, device)
+            finished = True
+        finally:
+            sys.stdout = before
+            ranks.stop(finished)
+
+
+def train(args, ranks, run: dict, out, ckpt, precision, device: str):
+    torch.manual_seed(run["seed"])  # every rank builds the same initial weights
+    model = build_model(run, device, ckpt, out / "ckpt.pt")
+    describe(model, run)
+    print(f"precision: {precision.describe()}" + (f" | {ranks.world} ranks" if ranks.world > 1 else ""))
+    with claim_run_folder(out) if ranks.main else nullcontext():  # from here on this folder is this run's alone
+        if ckpt is None and ranks.main:
+            check_new(out)  # another run may have finished here since the first look
+        with ranks.first():  # rank 0 tokenises; the others then read its cache
+            token_paths = prepare_tokens(run["data"], args.cache_dir)
+        data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
+        loss_fn, draw, val_windows = training_data(run, model, out, token_paths, device)
+        optimizer = make_optimizer(model, run)
+        step = restore(optimizer, precision, ckpt, out)
+        loop(run, model, optimizer, precision, loss_fn, draw, val_windows, step, out, args.ckpt_every, device,
+             data_id, ranks)
+
+
+def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out, ckpt_every: int,
+         device: str, data_id: str, ranks: Ranks):
+    """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
+    ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
+    tokenizer, parameters = Tokenizer(), [p for p in model.parameters()]
+
+    def save():
+        if not ranks.main:
+            return
+        rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+        save_checkpoint(out / "ckpt.pt", kind=run["model"], config=model.config, model=model,
+                        optimizer=optimizer.state_dict(), precision=precision.state_dict(), step=step, rng=rng,
+                        data={"seed": run["seed"], "index": step, "tokens": data_id}, args=run)
+
+    bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
+    with StopOnSignal() as stop, closing(bar):  # closed on any exit, so an error's line is the last one
+        tokens_per_step = run["batch_size"] * model.config.context
+        steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation excluded
+        model.train()
+        while step < run["max_steps"]:
+            t0 = time.perf_counter()
+            lr = lr_at(step, run)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            windows = ranks.share(draw(step))  # batch `step` of the whole run; this rank's rows of it
+            noise = torch.Generator(device).manual_seed(run["seed"] * 998_244_353 + step)  # step's noise: resumable
+            with precision.autocast:
+                loss, _ = loss_fn(model, windows, noise)  # forward and loss
+            optimizer.zero_grad(set_to_none=True)
+            backward_and_step(loss, optimizer, parameters, precision, run["grad_clip"], ranks)
+            step += 1
+            steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
+            tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
+            bar.update(1)
+            skipped = f" | skipped {precision.skipped}" if precision.dtype == "fp16" else ""  # fp16's inf steps
+            bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
+            if ranks.main and (step % run["eval_every"] == 0 or step == run["max_steps"]):
+                stats = evaluate(model, loss_fn, val_windows, run["batch_size"], precision.autocast)
+                bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
+                          + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
+                bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
+            if step % ckpt_every == 0 or step == run["max_steps"]:
+                save()
+            if ranks.anyone(stop.requested):
+                save()
+                bar.close()
+                print(f"interrupted: saved step {step} to {out / 'ckpt.pt'}; continue with "
+                      f"python train.py --out {out} --resume")
+                return
+    rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
+    print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'}")
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main, interrupted=INTERRUPTED))

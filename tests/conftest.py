@@ -5,11 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinydiff.io.cpu_memory import keep_freed_memory
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 # Our machines reach no tokenizer hub; where the workspace carries tiktoken's cache, use it.
 if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")
+
+keep_freed_memory()  # as every entry point does (tinydiff/io/cpu_memory.py): freed logits stay in the process
 
 # pytest.ini runs the suite on pytest-xdist's workers, one per core: each takes its share of the
 # cores for torch's threads, and the subprocesses its tests start (lessons, CLIs) inherit that share.

@@ -2,10 +2,10 @@
 MASK, in float32 and float64), targets a drafter was not built for, and `run`, dflash_generate with
 every round recorded. Not a test file: the DFlash tests import from it.
 """
+from functools import partial
+
 import pytest
 from stats_helpers import float64, random_drafter, random_model, recorded_run
-
-from functools import partial
 
 from tinydiff.dflash import dflash_generate
 from tinydiff.extras.dflash_reject import dflash_reject_generate

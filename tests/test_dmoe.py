@@ -7,7 +7,6 @@ import torch
 from stats_helpers import assert_same
 
 from tinydiff.bench.moe_stats import moe_stats, param_counts, reset_stats
-
 from tinydiff.checks import UserError
 from tinydiff.dmoe import (
     MoEConfig,

@@ -14,8 +14,8 @@ import torch
 from entry_points import last_line, run_in_process
 
 from tinydiff import fp4
-from tinydiff.checks import UserError
 from tinydiff.bench.moe_stats import moe_stats, reset_stats
+from tinydiff.checks import UserError
 from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers, set_routing
 from tinydiff.fp4 import QuantizedMoEFeedForward, dequantized_copy, quantize_experts
 from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint

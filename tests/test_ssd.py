@@ -38,7 +38,6 @@ from tinydiff.speculative import draft_round
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
-
 def check_counts(out, stats, rounds, k, full_context=False):
     """The stats agree with each other and with what every round reported, and every lookup was
     answered by the cache exactly when the round's outcome was among the keys it stored (only if,

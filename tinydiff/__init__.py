@@ -1,4 +1,4 @@
-"""tinydiff: a small, tested reference for masked diffusion LMs and fast-inference methods."""
-from tinydiff.io.cpu_memory import keep_freed_memory
+"""tinydiff: a small, tested reference for masked diffusion LMs and fast-inference methods.
 
-keep_freed_memory()  # why: tinydiff/io/cpu_memory.py
+The top level is the core, one concept a file in the order the lessons teach; the subpackages are wings
+(io, extras, fast, train, tools, bench) that import the core, never the reverse (docs/DESIGN.md)."""

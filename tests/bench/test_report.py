@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import write_stories
 
+import train
 from tinydiff.bench import table as bench
 from tinydiff.bench.report import END, PLOTS, ROLES, START, splice
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.train import trainer as train
 
 HAND = "\nEvery number here was measured.\n\n## An older section\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
 

@@ -36,6 +36,7 @@ from table_models import Oracle, TableTarget
 from test_train import argv, assert_same_weights, final_weights, interrupt_at
 
 import generate
+import train
 from tinydiff.ar import ar_generate, ar_loss
 from tinydiff.bench import quality
 from tinydiff.bench import table as bench
@@ -55,7 +56,6 @@ from tinydiff.ssd import ssd_generate
 from tinydiff.tokenizer import EOT
 from tinydiff.tools import eval as pinned
 from tinydiff.tools import export, quantize
-from tinydiff.train import trainer as train
 
 # Five layers (DFlash reads two of them, [1, 2]); experts 32 wide, so MXFP4's 32-value blocks fit.
 SHAPE = dict(context=40, n_layer=5, n_head=2, d_model=32, d_ff=64, n_experts=4, moe_top_k=2, expert_d_ff=32)

@@ -4,6 +4,7 @@ the biased logits; every rule stays lossless (greedy equality, chi-square at T >
 loss reads the text's previous token; --markov-rank is checked and recorded."""
 import pytest
 import torch
+from dflash_models import dflash_with_rule as dflash_generate
 from stats_helpers import (
     DFLASH_DIST_CONFIG,
     NEW,
@@ -16,7 +17,6 @@ from stats_helpers import (
     random_model,
     sample_counts,
 )
-from dflash_models import dflash_with_rule as dflash_generate
 from table_models import TableTarget
 
 import train

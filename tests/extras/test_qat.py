@@ -16,11 +16,11 @@ import train
 from tinydiff import fp4
 from tinydiff.checks import UserError
 from tinydiff.dmoe import MoEConfig, MoETransformer, balance_loss, moe_layers
+from tinydiff.extras import qat
 from tinydiff.extras.ar_moe import ar_moe_config
 from tinydiff.extras.qat import fake_quantize_experts, matching_loss, straight_through
 from tinydiff.fp4 import quantize_experts
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
-from tinydiff.train import trainer
 from tinydiff.train.run_config import migrate
 from tinydiff.train.run_model import build_model
 
@@ -120,7 +120,7 @@ def test_train_qat_matches_its_target_resumes_and_refuses_what_does_not_use_a_ta
                 raise SystemExit("killed")
             return loss_fn(model, windows, generator)
         return wrapped
-    monkeypatch.setattr(trainer, "matching_loss", killed_at_step_3)
+    monkeypatch.setattr(qat, "matching_loss", killed_at_step_3)  # batches.py calls qat.matching_loss
     with pytest.raises(SystemExit):
         train.main(argv(story_file, tmp_path / "cut", *matched, kind="ar-moe"))
     monkeypatch.undo()

@@ -140,19 +140,19 @@ def test_a_diffusion_target_writes_what_its_greedy_left_to_right_sampler_writes(
 def test_an_ar_draft_learns_a_diffusion_target_from_the_stories_it_writes(story_file, tmp_path):
     """train.py --model ar --target MDLM --regenerate N: the stories are the diffusion target's (whole
     blocks of 32 after each 8-token opening, as far as its context allows), and they are the labels."""
+    import train
     from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
     from tinydiff.model import Transformer
-    from tinydiff.train import trainer
     config = ModelConfig(context=48, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False)  # one block after 9
     save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=config, model=Transformer(config))
     common = ["--model", "ar", "--target", str(tmp_path / "mdlm.pt"), "--data", str(story_file), "--preset", "draft",
               "--context", "16", "--batch-size", "2", "--max-steps", "2", "--warmup", "1", "--eval-every", "2",
               "--eval-batches", "1", "--device", "cpu"]
-    trainer.main([*common, "--regenerate", "3", "--draft-temperature", "1", "--out", str(tmp_path / "draft")])
+    train.main([*common, "--regenerate", "3", "--draft-temperature", "1", "--out", str(tmp_path / "draft")])
     assert load_checkpoint(tmp_path / "draft" / "ckpt.pt")["kind"] == "ar"
     stories = split_stories(np.fromfile(tmp_path / "draft" / "regenerated.u16", dtype=np.uint16))
     assert len(stories) == 3 and all(8 < len(story) <= 8 + 32 for story in stories)
     with pytest.raises(UserError, match="learns a diffusion --target from the stories it writes: add --regenerate"):
-        trainer.main([*common, "--draft-temperature", "1", "--out", str(tmp_path / "x")])
+        train.main([*common, "--draft-temperature", "1", "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="holds a mdlm model; this needs ar or ar-moe"):
-        trainer.main(["--model", "dflash", *common[2:6], "--regenerate", "2", "--out", str(tmp_path / "y")])
+        train.main(["--model", "dflash", *common[2:6], "--regenerate", "2", "--out", str(tmp_path / "y")])

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from dflash_models import dflash_with_rule as dflash_generate
 from stats_helpers import (
     DFLASH_DIST_CONFIG,
     NEW,
@@ -22,7 +23,6 @@ from stats_helpers import (
     recorded_run,
     sample_counts,
 )
-from dflash_models import dflash_with_rule as dflash_generate
 from table_models import Oracle, TableTarget
 
 from tinydiff.ar import ar_generate

@@ -25,8 +25,7 @@ from table_models import Oracle
 
 from tinydiff.checks import UserError
 from tinydiff.dflash import match
-from tinydiff.extras.markov_head import markov_drafts
-from tinydiff.extras.markov_head import MarkovHead
+from tinydiff.extras.markov_head import MarkovHead, markov_drafts
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate, match_verdict, pick_drafts, target_picks
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs

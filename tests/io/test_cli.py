@@ -6,13 +6,13 @@ import importlib
 import pytest
 
 import generate
-from tinydiff.io.cli import stats_line
+import train
 from tinydiff.bench import hf as hf_bench
 from tinydiff.bench import quality
 from tinydiff.bench import table as bench
+from tinydiff.io.cli import stats_line
 from tinydiff.tools import eval as pinned_eval
 from tinydiff.tools import export
-from tinydiff.train import trainer as train
 
 
 def kernel_bench(argv):  # imported when called: Triton must not load before the kernel tests set its mode

@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as mp
 from test_train import argv, interrupt_at
 
+import train
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint
-from tinydiff.train import trainer as train
 from tinydiff.train.distributed import Ranks
 
 

@@ -13,11 +13,11 @@ import pytest
 from conftest import write_stories
 from hostile import NON_FINITE, exit_status, refused, snapshot, tampered_checkpoints
 
+import train
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint
 from tinydiff.io.files import claim_run_folder
 from tinydiff.tokenizer import Tokenizer
-from tinydiff.train import trainer as train
 
 COUNTS = ["0", "-1", "1.5", "1e12", "ten"]
 NUMBERS = {

@@ -1,13 +1,13 @@
-"""Spec: mixed precision (tinydiff/train/precision.py). The dtype each device trains in; fp16's gradient
+"""Spec: mixed precision (tinydiff/train/precision.py, train.backward_and_step). The dtype each device trains in; fp16's gradient
 scaler skips a step whose gradients overflow, and counts it; an fp16 run resumed from its checkpoint
 ends with the same weights and scaler state as one never interrupted."""
 import pytest
 import torch
 from test_train import argv, assert_same_weights, interrupt_at
 
+import train
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint
-from tinydiff.train import trainer as train
 from tinydiff.train.precision import MixedPrecision, choose_dtype
 
 
@@ -36,7 +36,7 @@ def test_an_overflowing_step_is_skipped_and_counted():
         with precision.autocast:
             loss = model(x).float().pow(2).mean() * factor
         optimizer.zero_grad()
-        skipped = precision.step(loss, optimizer, model.parameters(), 1.0)
+        skipped = train.backward_and_step(loss, optimizer, list(model.parameters()), precision, 1.0)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         history.append((skipped, unchanged, precision.scaler.get_scale() / scale))
     assert history[2] == (True, True, 0.5)  # the inf step: no update, the scale halved

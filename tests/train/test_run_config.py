@@ -5,8 +5,8 @@ import math
 
 import pytest
 
+import train
 from tinydiff.checks import UserError
-from tinydiff.train import trainer as train
 from tinydiff.train.run_config import KINDS, SETTINGS, RunConfig, given_settings, migrate, new_run
 
 

@@ -21,13 +21,13 @@ Leaves out: several seeds, confidence intervals, a GPU-timed `13m` preset.
 """
 import copy
 import datetime
+import importlib.util
 import json
 import math
 import re
 import shutil
 import sys
 from contextlib import redirect_stdout
-from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -48,7 +48,6 @@ from tinydiff.io.checkpoint import load_checkpoint
 from tinydiff.model import PRESETS
 from tinydiff.sampler import generate
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
-from tinydiff.train import trainer
 from tinydiff.train.run_config import SETTINGS
 
 START, END = "<!-- report:start -->", "<!-- report:end -->"
@@ -111,9 +110,19 @@ def plan_models(args, plan: dict, root: Path) -> dict:
     return plans
 
 
+def train_program():
+    """train.py, the repository's training program, as a module: the report runs it in this process,
+    so that its bars route to the report's (tinydiff.io.progress)."""
+    if "train" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train", Path(__file__).resolve().parents[2] / "train.py")
+        sys.modules["train"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["train"])
+    return sys.modules["train"]
+
+
 def steps_left(path: Path, argv: list[str]) -> int:
     """Training steps still to run for `argv`; an existing run trained otherwise is an error."""
-    wanted = vars(trainer.parse_args(argv))
+    wanted = vars(train_program().parse_args(argv))
     if not path.exists():
         return wanted["max_steps"]
     ckpt = load_checkpoint(path)
@@ -167,7 +176,7 @@ def train_missing(plans: dict, bar):
             bar.write(f"{role}: training {path} (log: {path.parent / 'train.log'})")
             Inner = stand_in_bar(bar, f"train {role}")
             with open(path.parent / "train.log", "a") as log, redirect_stdout(log), progress.routed_to(Inner):
-                trainer.main(argv)
+                train_program().main(argv)
             if steps_left(path, job["argv"]) > 0:  # train.py saves and returns on Ctrl-C
                 raise UserError(f"interrupted while training {path}; run the same command again to continue")
         if "--regenerate" in job["argv"] and all((path.parent / name).exists() for name in regenerate.FILES):
@@ -374,7 +383,7 @@ def write_report(args, methods: list[str]) -> dict:
     for name in PLOTS:  # the last run's plots: none may outlive the table it belonged to
         (folder / "plots" / name).unlink(missing_ok=True)
     plot_paths = []
-    if find_spec("matplotlib") is None:
+    if importlib.util.find_spec("matplotlib") is None:
         print("plots skipped: matplotlib is not installed (pip install -r requirements-plots.txt)")
     else:
         canvases = {}

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from tinydiff.checks import COUNT, SEED, TEMPERATURE, UserError
+from tinydiff.io.cpu_memory import keep_freed_memory
 from tinydiff.tokenizer import EOT, Tokenizer
 
 COMPILE_MODES = ("default", "max-autotune")  # what --compile takes; a bare --compile is "default"
@@ -78,6 +79,7 @@ def check_device(device: str):
 
 def run_main(main, argv=None, interrupted: str = "nothing was written") -> int:
     """Run an entry point's main(argv); the exit status, with what ended it early said in one line."""
+    keep_freed_memory()  # why: tinydiff/io/cpu_memory.py
     try:
         main(argv)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit

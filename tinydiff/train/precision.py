@@ -3,9 +3,10 @@
   auto   bf16 autocast on a GPU with bf16 units (compute capability >= 8.0: A100, H100, RTX 30xx);
          fp16 autocast with a gradient scaler on one without (T4, V100, P100: the free GPUs), where
          bf16 is emulated and slower than fp32; fp32 on a CPU.
-  fp16   autocast to float16 and `torch.amp.GradScaler`: the loss is scaled up before backward so
-         small gradients survive float16, the gradients are unscaled before clipping, and a step
-         whose gradients hold inf or NaN is skipped (the scale halves) and counted. nanoGPT's recipe.
+  fp16   autocast to float16 and `torch.amp.GradScaler` (train.py's step): the loss is scaled up
+         before backward so small gradients survive float16, the gradients are unscaled before
+         clipping, and a step whose gradients hold inf or NaN is skipped (the scale halves) and
+         counted. nanoGPT's recipe.
   bf16   autocast to bfloat16 (float32's range: no scaler); refused on a GPU without bf16 units.
   fp32   no autocast.
 The scaler's state is part of the training state (`state_dict`), so a resumed fp16 run continues
@@ -40,48 +41,27 @@ def choose_dtype(requested: str, device: str) -> str:
 
 
 class MixedPrecision:
-    """autocast for the forward, `step` for backward + clip + optimizer step, the skipped-step count."""
+    """A run's precision: autocast for the forward, the gradient scaler train.py's step goes through
+    (fp16's; a disabled one, whose calls pass the loss and the step through, for bf16 and fp32), and
+    the count of steps fp16's scaler skipped."""
 
     def __init__(self, dtype: str, device: str):
         kind = "cuda" if device.startswith("cuda") else "cpu"
         self.dtype, self.skipped = dtype, 0
         self.autocast = torch.autocast(kind, dtype=AUTOCAST[dtype]) if dtype in AUTOCAST else nullcontext()
-        self.scaler = torch.amp.GradScaler(kind) if dtype == "fp16" else None
+        self.scaler = torch.amp.GradScaler(kind, enabled=dtype == "fp16")
 
     def describe(self) -> str:
         return {"fp32": "fp32 (no autocast)", "bf16": "bf16 autocast",
                 "fp16": "fp16 autocast with a gradient scaler (skipped steps are counted)"}[self.dtype]
 
-    def step(self, loss, optimizer, parameters, grad_clip: float, reduce=None) -> bool:
-        """Backward, `reduce(parameters)` (data-parallel ranks average their gradients there), clip to
-        grad_clip, step; True if the scaler skipped the step (inf/NaN gradients)."""
-        parameters = list(parameters)
-        reduce = reduce or (lambda _: None)
-        if self.scaler is None:
-            loss.backward()
-            reduce(parameters)
-            torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-            optimizer.step()
-            return False
-        self.scaler.scale(loss).backward()
-        reduce(parameters)  # before unscaling: every rank then sees the same inf and skips the same step
-        self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-        scale = self.scaler.get_scale()
-        self.scaler.step(optimizer)  # skipped when the unscaled gradients hold inf or NaN
-        self.scaler.update()
-        skipped = self.scaler.get_scale() < scale  # the scale backs off exactly when the step was skipped
-        self.skipped += skipped
-        return skipped
-
     def state_dict(self) -> dict:
-        return {"dtype": self.dtype, "skipped": self.skipped,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+        return {"dtype": self.dtype, "skipped": self.skipped, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict):
         """A checkpoint's precision state; a run resumed in another dtype starts a fresh scaler."""
         if state.get("dtype") != self.dtype:
             return
         self.skipped = int(state.get("skipped", 0))
-        if self.scaler is not None and state.get("scaler"):
+        if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

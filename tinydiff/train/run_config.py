@@ -10,6 +10,7 @@ reproduces what those runs did (every field's default was chosen to be that valu
 """
 import argparse
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 from tinydiff.checks import (
     BLOCK,
@@ -29,7 +30,9 @@ from tinydiff.checks import (
 from tinydiff.dmoe import EXPERTS
 from tinydiff.extras.distill import LOSSES
 from tinydiff.fp4 import FORMATS
-from tinydiff.io.checkpoint import KINDS
+from tinydiff.io.checkpoint import KINDS, load_checkpoint
+from tinydiff.io.cli import check_device
+from tinydiff.io.files import check_run_folder
 from tinydiff.model import PRESETS
 from tinydiff.sampler import REMASKING
 
@@ -208,3 +211,62 @@ def migrate(stored: dict, path) -> dict:
                         "written by another version of tinydiff")
     defaults = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
     return asdict(RunConfig(**{**defaults, **RUN_LENGTH[None], **stored}))  # the length every run had then
+
+
+def run_settings(args):
+    """(run settings, run folder, checkpoint or None): a resumed run's from its checkpoint, a new
+    run's from the flags; a new run never overwrites a checkpoint."""
+    check_device(args.device)
+    out = Path(args.out) if args.out else None
+    if args.resume:
+        if out is None:
+            raise UserError("--resume needs --out, the folder of the run to continue")
+        check_run_folder(out)
+        ckpt = load_checkpoint(out / "ckpt.pt")
+        if not all(key in ckpt for key in ("optimizer", "args", "step", "rng")):
+            raise UserError(f"{out / 'ckpt.pt'} holds weights but no training state, so it cannot be resumed")
+        return resumed_settings(args, ckpt, out / "ckpt.pt"), out, ckpt
+    run = defaults(args, args.device)
+    name = run["preset"] or ("distilled" if run["distill"] else "init" if run["init"] else
+                             f"exit{run['target_layers']}" if run["target_layers"] else default_preset(args.device))
+    out = out or Path("out") / f"{run['model']}-{name}"
+    check_run_folder(out)
+    check_new(out)
+    return run, out, None
+
+
+def check_new(out: Path):
+    if (out / "ckpt.pt").exists():
+        raise UserError(f"{out / 'ckpt.pt'} exists; pass --resume to continue it, or another --out")
+
+
+def default_preset(device: str) -> str:
+    return "13m" if device.startswith("cuda") else "tiny"
+
+
+def defaults(args, device: str) -> dict:
+    """A new run's settings: the flags given, RunConfig's defaults for the rest."""
+    run = new_run(args, default_preset(device))
+    if args.preset is None and run["preset"] == "tiny" and not device.startswith("cuda"):
+        print("notice: no GPU, so training the 'tiny' preset (pass --preset 13m to train the full model on CPU)")
+    given = [flag(key) for key in STUDENT_SHAPE if getattr(args, key) is not None]
+    if run["distill"] and given:
+        raise UserError(f"a student has its teacher's shape and objective: drop {', '.join(given)}")
+    given = [flag(key) for key in ("preset", "context") if getattr(args, key) is not None]
+    if run["init"] and not run["distill"] and given:
+        raise UserError(f"--init {run['init']} continues that model, in its shape: drop {', '.join(given)}")
+    if run["target_layers"] and given:
+        raise UserError(f"--target-layers takes the draft's shape from --target: drop {', '.join(given)}")
+    if run["model"] in DRAFTERS and given:
+        raise UserError(f"a {run['model']} drafter takes its dimensions from --target: drop {', '.join(given)}")
+    return run
+
+
+def resumed_settings(args, ckpt: dict, path) -> dict:
+    """The checkpoint's run settings; a flag that contradicts them is an error, not a silent change."""
+    run = migrate(ckpt["args"], path)
+    for key, given in given_settings(args).items():
+        if given != run[key]:
+            raise UserError(f"{flag(key)} {given} differs from the run in {path} "
+                            f"({run[key]}); drop the flag to resume, or start a new run with another --out")
+    return run

@@ -6,24 +6,24 @@ Shape flags that contradict --init's checkpoint are errors, never silently ignor
 """
 from dataclasses import replace
 
+import torch
+
 from tinydiff.checks import UserError
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle3 import EagleConfig, EagleHead
-from tinydiff.extras.ar_moe import ar_moe_config
-from tinydiff.extras.distill import student_from
-from tinydiff.extras.markov_head import MarkovConfig, MarkovDrafter, drafter_from
-from tinydiff.extras.qat import fake_quantize_experts
 from tinydiff.io.checkpoint import (
     AR_KINDS,
     DIFFUSION_KINDS,
     MOE_KINDS,
+    drafter_from,
     head_from,
     load_checkpoint,
     load_model,
     model_from,
 )
 from tinydiff.model import Transformer, preset
+from tinydiff.tokenizer import EOT
 from tinydiff.train.run_config import DRAFTERS
 
 
@@ -103,6 +103,7 @@ def build_model(run: dict, device: str, ckpt=None, path=None):
     else:
         model = with_run_options(new_language_model(run, device), run)
     if run["qat"] is not None:  # every start of the run, resumed ones too: the experts compute fake-quantized
+        from tinydiff.extras.qat import fake_quantize_experts
         fake_quantize_experts(model, run["qat"])
     return model
 
@@ -118,13 +119,19 @@ def build_drafter(run: dict, device: str, ckpt=None, path=None):
                  "markov_rank": run["markov_rank"]}
         overrides = {key: value for key, value in given.items() if value is not None}
         if ckpt is None and overrides.get("markov_rank"):  # DSpark's Markov head (extras/markov_head.py)
+            from tinydiff.extras.markov_head import MarkovConfig, MarkovDrafter
             return MarkovDrafter(MarkovConfig.for_target(target.config, block_size=run["block_size"], **overrides),
                                  target)
         if ckpt is None:
             overrides.pop("markov_rank", None)  # rank 0: plain DFlash
             return DFlashDrafter(DFlashConfig.for_target(target.config, block_size=run["block_size"], **overrides),
                                  target)
-        drafter, wanted = drafter_from(ckpt, target, path), {"block_size": run["block_size"], **overrides}
+        if (ckpt.get("config") or {}).get("markov_rank"):  # a drafter with the head: the variant rebuilds it
+            from tinydiff.extras.markov_head import drafter_from as markov_drafter_from
+            drafter = markov_drafter_from(ckpt, target, path)
+        else:
+            drafter = drafter_from(ckpt, target, path)
+        wanted = {"block_size": run["block_size"], **overrides}
     else:
         if ckpt is None:
             return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
@@ -141,6 +148,7 @@ def new_language_model(run: dict, device: str):
                  if value is not None}
     overrides = {} if run["context"] is None else {"context": run["context"]}
     if run["distill"]:
+        from tinydiff.extras.distill import student_from
         return student_from(run["distill"], run["model"], run["init"], device)
     if run["target_layers"]:
         return early_exit_draft(run, device)
@@ -152,8 +160,8 @@ def new_language_model(run: dict, device: str):
             # weights, bidirectional attention, and the AR head's alignment kept (output i predicts token i+1)
             model.config = replace(model.config, causal=False, shift=True)
         return model
-    if run["model"] in MOE_KINDS:
-        config = (ar_moe_config if run["model"] == "ar-moe" else moe_config)(run["preset"], **overrides, **moe_shape)
+    if run["model"] in MOE_KINDS:  # ar-moe: dmoe.py's model with causal attention (extras/ar_moe.py)
+        config = moe_config(run["preset"], **overrides, **moe_shape, causal=run["model"] == "ar-moe")
         return MoETransformer(config).to(device)
     return Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
 
@@ -186,3 +194,57 @@ def with_run_options(model, run: dict):
                             f"context of {context}; got {block}")
         model.config = replace(model.config, noise_block=block)
     return model
+
+
+def describe(model, run: dict):
+    """One line: what the run trains and how many parameters it has."""
+    config = model.config
+    if run["model"] in DRAFTERS:
+        shape = f"B {config.block_size}" if run["model"] == "dflash" else f"K {config.steps_ahead}"
+        print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
+              f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
+    else:
+        name = f"student of {run['distill']}" if run["distill"] else f"from {run['init']}" if run["init"] \
+            else f"from the first {run['target_layers']} layers of {run['target']}" if run["target_layers"] \
+            else run["preset"]
+        print(f"model: {run['model']} {name} | params {model.num_params():,} "
+              f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
+
+
+@torch.no_grad()
+def sample_story(model, kind: str, tokenizer, seed: int) -> str:
+    """A short story from the model as it is now: the same prompt and seed at every evaluation."""
+    model.eval()
+    try:
+        return story(model, kind, tokenizer, seed)
+    finally:
+        model.train()
+
+
+def story(model, kind: str, tokenizer, seed: int) -> str:
+    prompt = [EOT] + tokenizer.encode("Once upon a time")
+    n = min(48, model.config.context - len(prompt))  # RunConfig's least context leaves room for 11
+    block = model.config.noise_block if kind.startswith("mdlm") else 0
+    if block and n < block:
+        return f"(none: a block of {block} does not fit after the prompt in a context of {model.config.context})"
+    if kind in DRAFTERS:  # a drafter's worth is its acceptance: greedy tau on this prompt (EAGLE-3: 4-token chains)
+        if getattr(model.config, "markov_rank", 0):
+            from tinydiff.extras.markov_head import markov_dflash_generate as decode
+        elif kind == "dflash":
+            from tinydiff.dflash import dflash_generate as decode
+        else:
+            from tinydiff.eagle3 import eagle_generate as decode
+        ids, result = decode(model.target, model, prompt, n, stop_token=None, **({"k": 4} if kind == "eagle3" else {}))
+        return f"tau {result.tau:.2f} (accepted {result.accepted}): Once upon a time{tokenizer.decode(ids)}"
+    generator = torch.Generator(model.embed.weight.device).manual_seed(seed)
+    if kind.startswith("mdlm"):  # sampled as it was trained: block by block, or the whole window at once
+        from tinydiff.sampler import generate, generate_cached
+        if block:
+            n -= n % block
+            ids, _ = generate_cached(model, prompt, gen_length=n, steps=n, block_length=block, generator=generator)
+        else:
+            ids, _ = generate(model, prompt, gen_length=n, steps=n, block_length=n, generator=generator)
+    else:
+        from tinydiff.ar import ar_generate
+        ids, _ = ar_generate(model, prompt, n, temperature=0.8, top_k=50, generator=generator)
+    return "Once upon a time" + tokenizer.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
