@@ -32,11 +32,11 @@ import torch
 from tqdm import tqdm
 
 from tinydiff.checks import COUNT, UserError, brief_error
-from tinydiff.data import prepare_tokens
 from tinydiff.io import progress
 from tinydiff.io.checkpoint import StopOnSignal, save_checkpoint
 from tinydiff.io.cli import add_device, make_parser, run_main
 from tinydiff.io.files import claim_run_folder
+from tinydiff.io.tokens import prepare_tokens
 from tinydiff.tokenizer import Tokenizer
 from tinydiff.train.batches import OBJECTIVES, same_data, training_data  # noqa: F401 (OBJECTIVES: tests patch it here)
 from tinydiff.train.distributed import Ranks

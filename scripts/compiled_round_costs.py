@@ -2,8 +2,8 @@
 
     python scripts/compiled_round_costs.py [--ckpt CKPT | --preset tiny] [--drafter CKPT] [--calls 100] [--device cuda]
 
-The bench's `--compile` rows spec-k4, dflash-b16 and ddtree-n32 run each round as one compiled graph
-(fused_round.py, fused_dflash.py, fused_ddtree.py). For each, per round, averaged over --calls
+The bench's fused rows spec-k4-fused and dflash-b16-fused run each round as one compiled graph
+(fused_round.py, fused_dflash.py; the plain `--compile` rows compile the eager loops' steps instead). For each, per round, averaged over --calls
 back-to-back rounds after the same prompt (the caches cropped back after each, so every round has
 the same shapes and rows):
   replay  the round's graph alone (on CUDA: the CUDA-graph replay), host wall time;
@@ -28,10 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from tinydiff.bench.measure import device_us, per_call_us
 from tinydiff.dflash import DFlashConfig, DFlashDrafter, start_decoding
-from tinydiff.fast.compiled import StaticModel
-from tinydiff.fast.fused_ddtree import FusedDDTree
-from tinydiff.fast.fused_dflash import FusedDFlash, static_pair
-from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, prefill
+from tinydiff.fast.fused_dflash import FusedDFlash
+from tinydiff.fast.fused_round import fused_speculation, prefill
 from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
 from tinydiff.io.checkpoint import drafter_from, load_checkpoint, load_model
 from tinydiff.kernels import kernels_enabled
@@ -62,13 +60,10 @@ def rounds(target, draft, drafter, prompt: list) -> dict:
     for model, cache in zip((spec.target, spec.draft), caches):
         prefill(model, cache, prompt[:-1])
     found["spec-k4"] = spec, caches, lambda t, d: spec.run_round(t, d, seq, GREEDY, None, 4)
-    dflash = FusedDFlash(*static_pair(target, drafter))
+    dflash = FusedDFlash(target, drafter)
     caches = start_decoding(dflash.target, dflash.drafter, prompt, 64, dflash.block_size, GREEDY)[2:4]
     found[f"dflash-b{dflash.block_size}"] = (dflash, caches, lambda t, d: dflash.run_round(
         t, d, seq, "match", GREEDY, None, dflash.block_size - 1))
-    ddtree = FusedDDTree(*static_pair(target, drafter), 32)
-    caches = start_decoding(ddtree.target, ddtree.drafter, prompt, 64, ddtree.block_size, GREEDY)[2:4]
-    found["ddtree-n32"] = ddtree, caches, lambda t, d: ddtree.run_round(t, d, seq, GREEDY, None, ddtree.block_size - 1)
     return found
 
 
@@ -106,7 +101,7 @@ def round_costs(fused, caches, run_round, calls: int, device) -> dict:
 
 def ar_token_us(target, prompt: list, device) -> float:
     """A --compile ar token: a 96-token story's time less a 32-token one's, over the 64 tokens between."""
-    fused = FusedSteps(StaticModel(target, (PREFILL_CHUNK,)), 1)
+    fused = FusedSteps(target, 1)
 
     def story(n: int) -> float:
         start = time.perf_counter()

@@ -5,9 +5,9 @@
 Times, per token, each layer of what `python -m tinydiff.bench --compile` runs for `ar`, each
 averaged over --calls back-to-back calls at a fixed cache length (the cache is cropped back after
 each call, so every call has the same shape):
-  replay   the compiled static_forward alone (on CUDA: the CUDA-graph replay), host wall time;
+  replay   the compiled Transformer.step alone (on CUDA: the CUDA-graph replay), host wall time;
   gpu      the same calls measured by CUDA events: the device's own time (CUDA only);
-  call     StaticModel.__call__ around it (positions, copies out of the graph's pool, cache length);
+  call     the compiled model's forward around it (the checks, rows, mask, copies out of the graph's pool);
   token    call + next_token_probs + sample + int(): one step of ar_generate's loop;
   fused    fused_steps.py's one-token call (forward, warp and draw one graph) + tolist(): a `--compile`
            ar token;
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from tinydiff.bench.measure import device_us, per_call_us
-from tinydiff.fast.compiled import StaticModel
+from tinydiff.fast.compiled import compiled
 from tinydiff.fast.fused_steps import FusedSteps
 from tinydiff.io.checkpoint import load_model
 from tinydiff.kernels import kernels_enabled
@@ -49,22 +49,20 @@ def main():
         torch.manual_seed(0)
         model = Transformer(preset(args.preset)).to(device)
     model.eval()
-    static = StaticModel(model, hot=(1,))
+    static = compiled(model, hot=(1,))
     prompt = torch.arange(args.prompt_tokens, device=device)[None]  # (1, P)
-    x = prompt[0, -1:].clone().view(1, 1)  # (1, 1), strides (1, 1) as StaticModel's: the token each call reads
+    x = prompt[0, -1:].clone().view(1, 1)  # (1, 1): the token each call reads
     rows = torch.arange(args.prompt_tokens - 1, args.prompt_tokens, device=device)
 
     with torch.no_grad():
         cache = static.new_cache(1)
         static(prompt[:, :-1], cache=cache, causal=True)  # the prefill, eager (not a hot shape)
         length = cache.length
-        mask = None
 
-        def replay():  # what StaticModel.__call__ runs inside, kernels off as there: the graph call() compiled
+        def replay():  # what the compiled step runs inside, kernels off as there: the graph call() compiled
             torch.compiler.cudagraph_mark_step_begin()
-            at = rows.clone()  # the positions are the rows, one tensor (aliasing is in the graph's guards)
             with kernels_enabled(False):
-                return static.step.compiled(cache, x.clone(), at, at, mask)
+                return static.compiled_step.compiled(x.clone(), None, None, cache, rows.clone(), False, None, 0, None)
 
         def call():
             out = static(x, cache=cache, causal=True)
@@ -77,7 +75,7 @@ def main():
             return int(sample(next_token_probs(logits, 0.0, None, None)))
 
         greedy, u = (0.0, None, None), torch.zeros(8, 1, 1, dtype=torch.float64, device=device)
-        fused, steps = FusedSteps(static, 1), FusedSteps(static, 8)
+        fused, steps = FusedSteps(model, 1), FusedSteps(model, 8)
 
         def fused_token():  # as multi_step_generate's loop: a new (1, 1) token and row tensor a call
             with kernels_enabled(False):

@@ -7,22 +7,20 @@
 #   1. tests/test_kernels.py (each kernel against its reference), tests/test_kernel_paths.py (the
 #      model paths with and without the kernels) and tests/test_kernels_fp4.py (the MXFP4 expert
 #      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0); then
-#      tests/test_cuda_graphs.py: the loops the bench times with --compile give the eager tokens on CUDA,
+#      tests/fast/test_cuda_graphs.py: the loops the bench times with --compile give the eager tokens on CUDA,
 #      run no graph without its CUDA graph, and record none again after their first stories;
 #   2. python -m tinydiff.bench.kernels $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
-#   3. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32 and the stepwise
-#      twins below), then with --compile (static-shape steps, CUDA graphs): ar, ar-steps8 (8 AR tokens a
-#      graph call: fused_steps.py), spec-k4, dflash-b16 and ddtree-n32 (each round one graph:
-#      fused_round.py, fused_dflash.py, fused_ddtree.py): tokens/s, compile seconds, per-round
-#      microseconds; then scripts/compiled_step_costs.py on `tiny` and `13m`: one compiled ar step
-#      taken apart (graph replay, device time, wrapper, sampling, the eager step);
-#      scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's, dflash-b16's and ddtree-n32's
+#   3. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32), then with
+#      --compile (the eager loops on compiled steps, CUDA graphs): ar, spec-k4, dflash-b8, dflash-b16,
+#      ddtree-n32, beside the one-graph paths ar-steps8 (8 AR tokens a graph call: fused_steps.py),
+#      spec-k4-fused and dflash-b16-fused (each round one graph: fused_round.py, fused_dflash.py):
+#      tokens/s, compile seconds, per-round microseconds; then scripts/compiled_step_costs.py on `tiny`
+#      and `13m`: one compiled ar step taken apart (graph replay, device time, wrapper, sampling, the
+#      eager step); scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's and dflash-b16's
 #      fused rounds taken apart the same way, each in compiled ar tokens; then FR-Spec's fused rounds
-#      (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids); then
-#      the stepwise twins compiled (dflash-b8; dflash-b16-sched at --min-confidence 0 and
-#      ddtree-n32-reject at T = 0: dflash-b16's and ddtree-n32's rounds on compiled steps);
+#      (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids);
 #   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
 #      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
@@ -35,7 +33,7 @@
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
 # others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
 # test_cuda_graphs bench_eager bench_compile step_costs_tiny round_costs_tiny step_costs_13m round_costs_13m
-# bench_compile_fr bench_compile_twins train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1;
+# bench_compile_fr train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1;
 # they still run in this order). GPU_CHECK_TAR=FILE writes every log so far into one archive after each
 # step: a device call that brings back only a few files (8 here) brings back that one, whole, even when
 # the call's time limit cuts the script (so give a LOGDIR outside the folder it brings back).
@@ -101,7 +99,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit (capped by the b
 TRITON_INTERPRET=0 step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernel_paths.py tests/test_kernels_fp4.py
 TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m pytest -v -p no:cacheprovider -n 0 \
-    tests/test_cuda_graphs.py  # -v: each test's verdict as it ends, kept if the limit cuts the rest
+    tests/fast/test_cuda_graphs.py  # -v: each test's verdict as it ends, kept if the limit cuts the rest
 # The rows are written as they come: a timeout keeps them.
 # shellcheck disable=SC2086  # the arguments are words
 step kernel_bench 120 "$PY" -m tinydiff.bench.kernels ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
@@ -115,14 +113,12 @@ if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
         | tee -a "$LOGDIR/summary.txt"
     bundle; echo "logs in $LOGDIR"; exit $status
 fi
-step bench_eager 60 "$PY" -m tinydiff.bench --new-tokens 64 --prompts 2 --min-confidence 0 \
-    --methods ar,spec-k4,dflash-b8,dflash-b16,dflash-b16-sched,ddtree-n32,ddtree-n32-reject \
-    --json "$LOGDIR/bench_eager.json" "$@"
-# Compiled, in two runs, so that a timeout (the table comes at the end) loses only the stepwise twins.
+step bench_eager 60 "$PY" -m tinydiff.bench --new-tokens 64 --prompts 2 \
+    --methods ar,spec-k4,dflash-b8,dflash-b16,ddtree-n32 --json "$LOGDIR/bench_eager.json" "$@"
 # TORCH_LOGS=cudagraphs: the log says when inductor skips CUDA graphs or records one again, and why.
-step bench_compile 200 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
-    --methods ar,ar-steps8,spec-k4,dflash-b16,ddtree-n32 --new-tokens 64 --prompts 2 --compile \
-    --json "$LOGDIR/bench_compile.json" "$@"
+step bench_compile 240 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
+    --methods ar,ar-steps8,spec-k4,spec-k4-fused,dflash-b8,dflash-b16,dflash-b16-fused,ddtree-n32 --new-tokens 64 \
+    --prompts 2 --compile --json "$LOGDIR/bench_compile.json" "$@"
 for preset in tiny 13m; do
     # where a compiled step's time goes (graph, wrapper, sampling), then a fused round's (graph replay,
     # device, read-back, host) in compiled ar tokens
@@ -133,11 +129,6 @@ if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as on
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"
 fi
-# -sched at --min-confidence 0 verifies every draft: dflash-b16's rounds on compiled steps, not one graph;
-# ddtree-n32-reject at T = 0 is ddtree-n32's plain tree on compiled steps
-step bench_compile_twins 150 env TORCH_LOGS=cudagraphs "$PY" -m tinydiff.bench \
-    --methods ar,dflash-b8,dflash-b16-sched,ddtree-n32-reject --new-tokens 64 --prompts 2 --compile --min-confidence 0 \
-    --json "$LOGDIR/bench_compile_twins.json" "$@"
 if [ -n "$DATA" ]; then
     for dtype in fp32 fp16 bf16; do
         rm -rf "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype"  # a fresh run each time, not a refused second one

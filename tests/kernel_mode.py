@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = OUTER if OUTER is not None else "0" if torch.cu
 pytest.importorskip("triton")
 
 from tinydiff import kernels  # noqa: E402
-from tinydiff.kernels import masked_attention, moe_ffn, moe_ffn_fp4, sampler_step  # noqa: E402, F401 (now, see above)
+from tinydiff.kernels import masked_attention, moe_ffn, sampler_step  # noqa: E402, F401 (now, see above)
 
 INTERPRET = kernels.interpreting()
 if INTERPRET != (type(sampler_step._sampler_step_kernel).__name__ == "InterpretedFunction"):

@@ -1,4 +1,4 @@
-"""The MXFP4 expert kernel (tinydiff/kernels/moe_ffn_fp4.py) computes what its reference computes,
+"""The MXFP4 expert kernel (tinydiff/kernels/moe_ffn.py's moe_ffn_fp4) computes what its reference computes,
 and the FP4 experts' model path (tinydiff/fp4.py) reaches it where kernels.for_inference.
 
 As in tests/test_kernels.py: on CPU under Triton's interpreter, compiled on a GPU
@@ -12,7 +12,7 @@ from kernel_mode import DEVICE, triton_mode  # noqa: F401 (first: sets TRITON_IN
 from tinydiff import fp4, kernels
 from tinydiff.dmoe import MoEConfig, MoETransformer, moe_layers
 from tinydiff.fp4 import quantize_experts
-from tinydiff.kernels import moe_ffn_fp4 as fk
+from tinydiff.kernels import moe_ffn as fk
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}  # absolute, on outputs of size ~1
 

@@ -12,8 +12,8 @@ import torch
 
 import train
 from tinydiff.checks import UserError
-from tinydiff.data import prepare_tokens
 from tinydiff.io.checkpoint import load_checkpoint
+from tinydiff.io.tokens import prepare_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,8 +28,8 @@ Node indices: 0 is the root (the newest committed token, parent -1), 1..N in hea
 parent always precedes its children. Near the end of the context the tree is cut to fit the cache.
 
 Variants in tinydiff/extras/: trees of sampled children judged by recursive rejection sampling for T > 0
-(ddtree_sampled.py), trees whose children read DSpark's Markov head (markov_head.py); a whole round as one
-compiled graph: fast/fused_ddtree.py. Leaves out: batches, trees from an AR draft (one forward per depth
+(ddtree_sampled.py), trees whose children read DSpark's Markov head (markov_head.py); --compile compiles
+its steps (fast/compiled.py). Leaves out: batches, trees from an AR draft (one forward per depth
 and per branch).
 """
 import heapq

@@ -1,38 +1,26 @@
 """DFlash: a block-diffusion drafter that drafts a whole block in one forward; its loss and its loop.
 
 Paper: "DFlash: Block Diffusion for Flash Speculative Decoding" (2026); reference code z-lab/dflash.
-The drafter is a few Transformer layers of its own around the target's *frozen* embedding and LM
-head. It reads the target's hidden states ("context features") and fills a block
-`[last committed token, MASK x (B-1)]` in one bidirectional forward: slot k predicts the token at
-position start + k.
-
-  features  the outputs of target blocks `feature_layers(L, N)`, concatenated (N*D),
-            `Linear(N*D -> D)`, RMSNorm: one vector per committed position;
-  layers    each drafter layer applies its own k/v projections to those vectors (RoPE at the
-            context positions) and reads them before the block's own keys/values; queries come only
-            from the block, which attends to itself bidirectionally and to all of its context;
-  input     slot 0 through the target's embedding; the MASK slots get the drafter's own learned
-            vector (see DFlashDrafter.__init__ for why not the target's MASK row);
-  output    the drafter's own final RMSNorm (initialised from the target's), then the target's
-            tied head, both read through `.detach()`: no gradient reaches the target;
-  training  one frozen target forward per window gives the features; up to `anchors` random blocks
-            per window go through ONE drafter forward with a mask (a block sees context strictly
-            before its anchor and itself); slot k's label is the token at anchor + k, weighted
-            exp(-(k-1)/g); slot 0 is unsupervised.
-Each decoding round, with committed sequence seq (S tokens) and both caches holding seq[:-1]:
-  1. draft:  the drafter fills [seq[-1], MASK x (B-1)] in ONE forward; the drafts are its argmax;
-  2. verify: the target reads [seq[-1], d_1..d_K] in ONE forward, which also gives the features;
+The drafter is a few Transformer layers of its own around the target's *frozen* embedding and tied
+head (read through `.detach()`). It fills a block `[last committed token, MASK x (B-1)]` in one
+bidirectional forward, slot k predicting the token at position start + k, reading the target's
+hidden states: the outputs of blocks `feature_layers(L, N)`, concatenated, Linear(N*D -> D), RMSNorm,
+one vector per committed position, which every drafter layer projects with its own k/v weights and
+reads before the block's own keys. Training: one frozen target forward per window gives the
+features; up to `anchors` random blocks per window go through ONE drafter forward under a mask (a
+block sees the context before its anchor and itself); slot k's label is the token at anchor + k,
+weighted exp(-(k-1)/g). Each decoding round (both caches holding the committed sequence but its last
+token):
+  1. draft:  the drafter fills the block in ONE forward; the drafts are its argmax;
+  2. verify: the target reads [last token, d_1..d_K] in ONE forward, which also gives the features;
   3. match:  the target samples y_0..y_K from its own warped distributions; drafts are kept while
-             d_i == y_{i-1}, then y_n is committed (the bonus). Every committed token is a target
-             sample given its committed prefix, so the output is the target's distribution for any
-             draft; at temperature 0 it is plain greedy decoding of the target, token for token;
-  4. commit: the target's cache is cropped, the drafter's grows by the features of the new tokens.
-The drafter's cache holds committed context only: a block's own keys are never stored.
-The target is *held*, not registered, so it stays out of the drafter's parameters(), state_dict()
-and .to(): a drafter checkpoint is the drafter alone (io/checkpoint.py rebuilds it around a target).
-Variants in tinydiff/extras/: sampled drafts judged by the rejection rule and DSpark's verify length
-(dflash_reject.py), DSpark's Markov head (markov_head.py); one-graph rounds in fast/fused_dflash.py.
-Leaves out: the paper's scale (5 layers reading 5 features of a 36-layer target), batches.
+             d_i == y_{i-1}, then y_n is committed: every token is a target sample given its prefix,
+             so the output is the target's distribution for any draft (greedy: token for token);
+  4. commit: the target's cache is cropped, the drafter's grows by the new tokens' features.
+The target is *held*, not registered: a drafter checkpoint is the drafter alone.
+Variants (tinydiff/extras/): the rejection rule and DSpark's verify length (dflash_reject.py),
+DSpark's Markov head (markov_head.py). Leaves out: the paper's scale (5 layers reading 5 features of a
+36-layer target), batches.
 """
 import time
 from dataclasses import dataclass
@@ -69,8 +57,6 @@ def feature_layers(n_layer: int, n: int) -> list[int]:
 
 def default_decay(block_size: int) -> float:
     """The paper's g for B = 8, 10, 16; otherwise linear through the nearest two of them, at least 1."""
-    if block_size in PUBLISHED_DECAY:
-        return PUBLISHED_DECAY[block_size]
     points = sorted(PUBLISHED_DECAY.items())
     (b0, g0), (b1, g1) = points[:2] if block_size < 10 else points[1:]
     return max(1.0, g0 + (block_size - b0) * (g1 - g0) / (b1 - b0))
@@ -132,9 +118,8 @@ class DFlashConfig:
 
 
 def check_target(config, target, what: str = "drafter"):
-    """The target has the dimensions the drafter (DFlash's or EAGLE-3's) was built for: its width, vocabulary,
-    context and the layer count its feature ids refer to. Only these: the weights may differ, so a drafter
-    trained on a float ar-moe drafts for its FP4 version too."""
+    """The target has the dimensions the drafter (DFlash's or EAGLE-3's) was built for; only these: the weights
+    may differ, so a drafter trained on a float ar-moe drafts for its FP4 version too."""
     want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
             "context": config.context}
     for name, value in want.items():
@@ -156,8 +141,7 @@ def init_around(drafter: nn.Module, target: Transformer, n_layer: int):
 
 
 class ExtraKVBlock(Block):
-    """model.py's Block whose attention reads [past keys; its own rows' keys] and returns its rows'
-    keys/values, which are never written into a KVCache (a drafter's rows are drafts until verified)."""
+    """model.py's Block reading [past keys; its own rows' keys], never caching its own (they are drafts)."""
 
     def forward(self, x, cos, sin, past_k, past_v, mask):
         B, T, D = x.shape
@@ -184,9 +168,8 @@ class DFlashDrafter(nn.Module):
         self.feature_norm = RMSNorm(D, config.norm_eps)
         self.layers = nn.ModuleList(ExtraKVBlock(self.layer_config) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
-        # The MASK slots' input: a vector of our own, not the target's MASK row. An AR target with a
-        # tied head trains that row only as an output that must never win, which makes it a poor
-        # input (docs/LOG.md, "DFlash's MASK input"). It also marks the slots in any vocabulary.
+        # The MASK slots' input: our own vector, not the target's MASK row, which an AR target's tied head
+        # trains only as an output that must never win (docs/LOG.md, "DFlash's MASK input").
         self.mask_embed = nn.Parameter(torch.zeros(D))
         # Blocks near the end of the context reach past it (their drafts are cut, not their input).
         cos, sin = rope_table(config.context + config.block_size, D // H, config.rope_base)
@@ -313,13 +296,9 @@ def block_loss(drafter: DFlashDrafter, windows, anchors, logits, target_logits, 
 
 
 def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
-    """Weighted block CE on windows (Bw, T) of clean text; returns (loss, stats).
-
-    Slot k (1..B-1) is weighted exp(-(k-1)/g), the loss their weighted mean over blocks. The labels are the
-    text's tokens, or with a `temperature` the target's distribution there (sampling.tempered_ce: a drafter
-    trained for sampling). stats: ce (the loss), acc (slot 1's argmax == its label), tau_proxy (1 + the mean
-    run of leading correct slots: the greedy tau if the target's picks were the text).
-    """
+    """Weighted block CE on windows (Bw, T) of clean text: (loss, stats). Labels: the text's tokens, or with
+    a `temperature` the target's distribution (sampling.tempered_ce). stats: ce, acc (slot 1's argmax right),
+    tau_proxy (1 + the mean run of leading correct slots: greedy tau if the target's picks were the text)."""
     B = drafter.config.block_size
     if windows.shape[1] < B + 1:
         raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
@@ -331,8 +310,7 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: fl
 # ---- decoding
 
 def argmax_drafts(drafter, logits, first_token, warp_args, generator=None):
-    """DFlash's drafts (K,) from the block's logits (K, V): the drafter's argmax per slot (never MASK), and
-    their draft distribution q (None: the match rule reads none)."""
+    """DFlash's drafts (K,): the drafter's argmax per slot (never MASK); q is None (match reads none)."""
     return next_token_probs(logits, 0).argmax(-1), None
 
 
@@ -367,9 +345,8 @@ def check_drafter(target, drafter, block_size) -> int:
 
 
 def start_decoding(target, drafter, prompt, max_new_tokens, block_size, warp_args):
-    """What every block-drafter loop (DFlash, DDTree, their variants) checks and does first: the arguments,
-    both caches, and a target forward over prompt[:-1] that fills them (none for a one-token prompt).
-    Returns (new tokens to decode, B, target_cache, draft_cache, prefill forwards)."""
+    """Every block-drafter loop's start (DFlash, DDTree, variants): checks, both caches filled by a target
+    forward over prompt[:-1]. Returns (new tokens to decode, B, target_cache, draft_cache, prefill forwards)."""
     check_warp_args(*warp_args)
     n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     if MASK in prompt:  # it would read as a MASK slot
@@ -387,15 +364,11 @@ def start_decoding(target, drafter, prompt, max_new_tokens, block_size, warp_arg
 @torch.no_grad()
 def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
                     top_p=None, generator=None, stop_token=EOT, on_round=None, propose=argmax_drafts, judge=match):
-    """Decode after `prompt` (list of ids): each round drafts a block of block_size (default the drafter's B)
-    and commits 1..B tokens. Stops after max_new_tokens (None: fill the context) or after stop_token (None:
-    never; tokens after it in the same round are dropped). on_round(info) after every round: drafts,
-    accepted (n), tokens (committed), seq, target_cache, draft_cache. propose(drafter, logits (K, V),
-    first_token, warp_args, generator) -> (drafts, q) and judge(p, drafts, q, generator, greedy) -> (n, token)
-    are the round's two rules (the variants in tinydiff/extras/ pass their own).
-
-    Returns (new ids, speculative.Speculated): accepted over n = 0..B-1, forwards = rounds + the prefill.
-    """
+    """Decode after `prompt` (list of ids), each round drafting a block of block_size (default the drafter's
+    B) and committing 1..B tokens, until max_new_tokens (None: the context) or stop_token (None: never).
+    on_round(info) after every round. propose(drafter, logits (K, V), first_token, warp_args, generator) ->
+    (drafts, q) and judge(p, drafts, q, generator, greedy) -> (n, token) are the round's two rules (the
+    variants in tinydiff/extras/ pass their own). Returns (new ids, speculative.Speculated)."""
     warp_args, device = (temperature, top_k, top_p), target.embed.weight.device
     n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
                                                                   warp_args)

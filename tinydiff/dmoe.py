@@ -252,7 +252,7 @@ def unique_experts(experts, n_experts: int, block_size: int):
 
 class MoETransformer(Transformer):
     """The project's Transformer with every block's `ffn` a MoEFeedForward (model.py unchanged)."""
-    feed_forward = MoEFeedForward  # fp4_experts.QuantizedMoETransformer: the packed experts' layer
+    feed_forward = MoEFeedForward  # fp4.QuantizedMoETransformer: the packed experts' layer
 
     def __init__(self, config: MoEConfig):
         if not isinstance(config, MoEConfig):

@@ -42,7 +42,7 @@ bits so that model.half() leaves it exact; blocks run along each matrix's input.
 the norms and the embedding stay in float. Forward: MoEFeedForward's dispatch with each chosen expert
 dequantized just before use, then the float FeedForward's very calls, so the outputs equal those of a
 float model holding the dequantized weights; where kernels.for_inference and the format is MXFP4,
-kernels/moe_ffn_fp4.py runs all routed experts in one launch that reads the packed bytes. The config
+kernels/moe_ffn.py's moe_ffn_fp4 runs all routed experts in one launch that reads the packed bytes. The config
 records the format (MoEConfig.expert_format, expert_block), so a packed checkpoint loads as any other.
 Leaves out: activations in FP4 (weights only), calibration (the OCP rule needs none), a backward pass
 (the packed weights are buffers); quantization-aware training is tinydiff/extras/qat.py.
@@ -288,7 +288,7 @@ class QuantizedSwiGLU(nn.Module):
         """Tokens x (N, D) through their experts (ids and mixing weights (N, k)); without them every
         token through expert 0 at weight 1 (the shared expert is a stack of one). Returns (N, D)."""
         if kernels.for_inference(x) and self.format == "mxfp4":  # one launch, weights read packed
-            from tinydiff.kernels.moe_ffn_fp4 import moe_ffn_fp4  # lazily: see kernels/__init__.py
+            from tinydiff.kernels.moe_ffn import moe_ffn_fp4  # lazily: see kernels/__init__.py
             if experts is None:
                 weights = torch.ones(len(x), 1, device=x.device)
                 experts = torch.zeros(len(x), 1, dtype=torch.long, device=x.device)

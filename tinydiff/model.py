@@ -38,7 +38,7 @@ class ModelConfig:
     d_ff: int = 512               # SwiGLU hidden width
     causal: bool = True           # default attention when no mask is given
     shift: bool = False           # diffusion only: output i predicts token i+1 (Dream's shift, kept from an AR start)
-    noise_block: int = 0          # diffusion only: trained with a noise level per N-token block (block_diffusion.py)
+    noise_block: int = 0          # diffusion only: trained with a noise level per N-token block (diffusion.py)
     rope_base: float = 10000.0    # RoPE frequency base
     norm_eps: float = 1e-5        # RMSNorm epsilon
 

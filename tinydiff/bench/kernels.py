@@ -44,8 +44,7 @@ from tinydiff.fp4 import bits_per_weight, quantize
 from tinydiff.io.cli import add_device, make_parser
 from tinydiff.kernels import HAVE_TRITON
 from tinydiff.kernels.masked_attention import masked_attention_reference, masked_attention_triton
-from tinydiff.kernels.moe_ffn import moe_ffn_reference, moe_ffn_triton
-from tinydiff.kernels.moe_ffn_fp4 import moe_ffn_fp4_reference, moe_ffn_fp4_triton
+from tinydiff.kernels.moe_ffn import moe_ffn_fp4_reference, moe_ffn_fp4_triton, moe_ffn_reference, moe_ffn_triton
 from tinydiff.kernels.sampler_step import sampler_step_reference, sampler_step_triton
 from tinydiff.sampler import block_causal_mask
 from tinydiff.tokenizer import VOCAB_SIZE

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from tinydiff.ar import elapsed, split_time
 from tinydiff.bench.methods import FR_ROWS, MEANS
-from tinydiff.data import eval_windows, load_tokens, prepare_tokens
+from tinydiff.data import eval_windows, load_tokens
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
 from tinydiff.eagle3 import EagleConfig, EagleHead
@@ -22,6 +22,7 @@ from tinydiff.extras.regenerate import story_openings
 from tinydiff.fast.compiled import compile_seconds
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, frequent_ids
 from tinydiff.io.checkpoint import AR_KINDS, head_from, load_checkpoint, load_model
+from tinydiff.io.tokens import prepare_tokens
 from tinydiff.model import Transformer, preset
 from tinydiff.speculative import acceptance_by_slot
 from tinydiff.tools.eval import score

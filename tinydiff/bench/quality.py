@@ -24,7 +24,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.bench.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.bench.moe_stats import routing_from_flags
 from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, UserError, number_list
-from tinydiff.data import load_tokens, prepare_tokens
+from tinydiff.data import load_tokens
 from tinydiff.dmoe import ROUTINGS
 from tinydiff.extras.drafted_diffusion import ar_drafted_generate
 from tinydiff.extras.regenerate import story_openings
@@ -33,6 +33,7 @@ from tinydiff.extras.self_speculative import self_speculative_generate
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.io.cli import add_device, check_device, make_parser, run_main
 from tinydiff.io.files import check_output
+from tinydiff.io.tokens import prepare_tokens
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
 from tinydiff.tools.judge import sample_and_judge

@@ -26,7 +26,7 @@ the k positions drafted by an AR draft trained on the distilled model's stories 
 drafted_diffusion.py): the draft reads the token it drafted before, where self-speculation cannot.
 `dmoe-token` / `dmoe-block` decode like `diffusion-cached` with the MoE diffusion LM (--moe).
 `dflash-b<B>` verifies by DFlash's rule (argmax drafts, kept while they match the target's samples),
-`dflash-b16-reject` samples its drafts and applies the rejection rule (dflash_decode.RULES): at T > 0
+`dflash-b16-reject` samples its drafts and applies the rejection rule (extras/dflash_reject.RULES): at T > 0
 the second keeps a draft with probability min(1, p/q) instead of p(argmax). `-sched` verifies only
 the drafts before the first the drafter gives under --min-confidence (DSpark's verify length).
 Every speculative row adds a line: its accepted-length histogram (rounds that kept n drafts) and

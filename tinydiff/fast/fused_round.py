@@ -23,8 +23,7 @@ rounds too (the graph drafts k, the verdict reads the drafts there is room for),
 the context's end, which run the eager pieces on static models.
 
 Leaves out: trees, EAGLE-3 (the same verdict would serve it), and batches.
-AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflash.py's, DDTree's
-fused_ddtree.py's.
+AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflash.py's.
 """
 import torch
 

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic save and safe load (tinydiff/io/checkpoint.py rebuilds the model one holds).
+"""Checkpoints: atomic save, safe load, and the model of each kind rebuilt from one.
 
 A checkpoint is a plain dict of tensors and Python primitives, so `torch.load(weights_only=True)`
 can read it without unpickling code:

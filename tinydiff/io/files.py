@@ -10,16 +10,52 @@ Leaves out: locking on Windows (no fcntl there; the claim is skipped) and networ
 whose flock is advisory only between clients of one host.
 """
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
 from tinydiff.checks import UserError
-from tinydiff.data import remove_stale_temps, temp_beside
 
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None
+
+
+TEMP = re.compile(r"^\..+\.tmp(\d+)$")  # .NAME.tmpPID
+
+
+def temp_beside(path: Path) -> Path:
+    """The temp file a write of `path` goes through (same folder: os.replace is atomic there)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(folder, owned: bool = False) -> list[Path]:
+    """Delete the temp files killed writers left in `folder`: those whose PID is not alive, or all of
+    them when this process owns the folder (it holds the run lock, so no one else writes there)."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        match = TEMP.match(path.name)
+        if match and path.is_file() and (owned or (int(match[1]) != os.getpid() and not _alive(int(match[1])))):
+            try:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+            except OSError:  # a read-only folder (a shared data set): not ours to clean
+                pass
+    return removed
 
 
 def write_atomic(path, write):

@@ -2,15 +2,14 @@
 
 One file per kernel, each with the plain PyTorch function it replaces right beside it (its spec):
   masked_attention.py  attention of new queries over a KV prefix + themselves, any boolean mask
-  moe_ffn.py           the dMoE expert feed-forward: tokens grouped by expert, one launch per layer
-  moe_ffn_fp4.py       the same with MXFP4 expert weights, read packed and dequantized in registers
+  moe_ffn.py           the dMoE expert feed-forward: tokens grouped by expert, one launch per layer;
+                       moe_ffn_fp4, the same with MXFP4 expert weights read packed
   sampler_step.py      the diffusion sampler's argmax + confidence over the vocabulary, in chunks
 Each file's public function (`masked_attention`, `moe_ffn`, `moe_ffn_fp4`, `sampler_step`) dispatches: the Triton
-kernel when `use_triton(tensor)` says so, the reference otherwise. `bench.py` times them.
+kernel when `use_triton(tensor)` says so, the reference otherwise. tinydiff/bench/kernels.py times them.
 The model paths call them where `for_inference(tensor)`: model.Attention with an explicit mask
 (DDTree verification, the block-causal sampler), dmoe.MoEFeedForward's experts (MXFP4 ones:
-fp4_experts.QuantizedSwiGLU), and
-sampler.propose with low_confidence remasking. The kernels have no backward pass, so a forward
+fp4.QuantizedSwiGLU), and sampler.propose with low_confidence remasking. The kernels have no backward pass, so a forward
 that records gradients (training) always takes the PyTorch path.
 
 When do kernels run? On a CUDA tensor when Triton is installed; on a CPU tensor only under Triton's

@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import COUNT, Rule, UserError
-from tinydiff.data import SEPARATOR, read_stories
 from tinydiff.diffusion import diffusion_elbo, scored_tokens
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.io.cli import add_device, check_device, make_parser, run_main
 from tinydiff.io.files import check_output, write_atomic
+from tinydiff.io.tokens import SEPARATOR, read_stories
 from tinydiff.model import wide
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer

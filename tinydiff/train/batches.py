@@ -11,11 +11,12 @@ import functools
 
 from tinydiff.ar import ar_loss
 from tinydiff.checks import UserError
-from tinydiff.data import eval_windows, load_tokens, sample_windows, tokens_digest
+from tinydiff.data import eval_windows, load_tokens, sample_windows
 from tinydiff.dflash import dflash_loss
 from tinydiff.diffusion import diffusion_loss
 from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.eagle3 import eagle_loss
+from tinydiff.io.tokens import tokens_digest
 from tinydiff.train.run_config import DRAFTERS
 from tinydiff.train.run_model import load_target
 

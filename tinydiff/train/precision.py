@@ -1,4 +1,4 @@
-"""Mixed precision for training: which dtype a device trains in, its autocast, and the optimizer step.
+"""Mixed precision for training: which dtype a device trains in, its autocast, and fp16's gradient scaler.
 
   auto   bf16 autocast on a GPU with bf16 units (compute capability >= 8.0: A100, H100, RTX 30xx);
          fp16 autocast with a gradient scaler on one without (T4, V100, P100: the free GPUs), where
