@@ -98,5 +98,6 @@ def test_a_wrong_checkpoint_or_order_is_one_line(ckpt, mdlm_ckpt, tmp_path, caps
             (self_speculative, ["--ckpt", ckpt], "this needs mdlm or mdlm-moe"),
             (self_speculative, ["--ckpt", mdlm_ckpt, "--order", "low_confidence"], "invalid choice"),
             (dflash_reject, ["--ckpt", ckpt, "--draft", ckpt], "holds a ar model; this needs dflash"),
-            (drafted_diffusion, ["--ckpt", mdlm_ckpt, "--draft", mdlm_ckpt], "this needs ar")):
+            (drafted_diffusion, ["--ckpt", mdlm_ckpt, "--draft", mdlm_ckpt], "this needs ar"),
+            (markov_head, ["--ckpt", ckpt, "--draft", ckpt, "--budget", "8"], "--budget sizes DDTree's tree")):
         assert message in refused(main.main, [*argv, "--prompt", "hi"], capsys, tmp_path)

@@ -116,7 +116,8 @@ def parse_args(argv=None):
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     if args.methods is None:
-        args.methods = ",".join(m for m in METHODS if (args.data or m not in FR_ROWS) and m not in STEPS_ROWS)
+        args.methods = ",".join(m for m in METHODS if (args.data or m not in FR_ROWS) and m not in STEPS_ROWS
+                                and not m.endswith("-fused"))  # one-graph twins: the same loop without --compile
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:

@@ -218,7 +218,7 @@ def main(argv=None):
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
         return ddtree_sampled_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
-                                       args.budget, 1.0 if args.temperature is None else args.temperature,
+                                       args.budget, 0.8 if args.temperature is None else args.temperature,
                                        generator=generator)
     write_story(args, AR_KINDS, decode)
 

@@ -100,7 +100,7 @@ def main(argv=None):
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
         return dflash_reject_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
-                                      1.0 if args.temperature is None else args.temperature, None, None, generator,
+                                      0.8 if args.temperature is None else args.temperature, None, None, generator,
                                       rule=args.rule, min_confidence=args.min_confidence)
     write_story(args, AR_KINDS, decode)
 

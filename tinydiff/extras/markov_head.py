@@ -162,15 +162,17 @@ def main(argv=None):
     p.add_argument("--draft", required=True, help="the DFlash drafter with a Markov head")
     p.add_argument("--method", choices=["dflash", "ddtree"], default="dflash", help="a chain, or a tree")
     p.add_argument("--k", type=COUNT, help="drafts per round (default: the drafter's block - 1)")
-    p.add_argument("--budget", type=COUNT, default=32, help="--method ddtree: tree nodes verified per round")
+    p.add_argument("--budget", type=COUNT, help="--method ddtree: tree nodes verified per round (default 32)")
     args = p.parse_args(argv)
+    if args.budget is not None and args.method != "ddtree":
+        raise UserError("--budget sizes DDTree's tree: add --method ddtree, or drop it")
 
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
         common = dict(temperature=0.8 if args.temperature is None else args.temperature, generator=generator)
         if args.method == "ddtree":
             return markov_ddtree_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
-                                          args.budget, **common)
+                                          args.budget or 32, **common)
         return markov_dflash_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1, **common)
     write_story(args, AR_KINDS, decode)
 
