@@ -33,9 +33,9 @@ from tqdm import tqdm
 
 from tinydiff.checks import COUNT, UserError, brief_error
 from tinydiff.io import progress
-from tinydiff.io.checkpoint import StopOnSignal, save_checkpoint
+from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.io.cli import add_device, make_parser, run_main
-from tinydiff.io.files import claim_run_folder
+from tinydiff.io.files import StopOnSignal, claim_run_folder
 from tinydiff.io.tokens import prepare_tokens
 from tinydiff.tokenizer import Tokenizer
 from tinydiff.train.batches import OBJECTIVES, same_data, training_data  # noqa: F401 (OBJECTIVES: tests patch it here)

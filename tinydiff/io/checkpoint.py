@@ -18,8 +18,6 @@ it): a crash mid-save leaves the previous checkpoint intact, and a full disk is 
 checks every key's type and the weights' values before anything is built (check_contents).
 A folder written by `python -m tinydiff.tools.export` (or a Llama folder transformers saved) loads into
 the same dict, without the training state (tinydiff/io/hf_format.py reads it; no pickle involved).
-`StopOnSignal` lets a training loop finish its step and save on Ctrl-C / SIGTERM instead of dying
-mid-step.
 
 Rebuilding the model a checkpoint holds: each kind's config and model classes (every kind but the
 MoE ones, mdlm-moe and ar-moe, is the plain Transformer; the drafters are rebuilt around their target by
@@ -32,7 +30,6 @@ so a config whose size agrees with the file skips it: building that model alloca
 the file already did.)
 """
 import re
-import signal
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -131,26 +128,6 @@ def check_contents(ckpt: dict, path):
         raise UserError(f"{path}: weight {bad} holds NaN or inf (the training diverged); use an earlier checkpoint, "
                         "or train again with a lower --lr")
 
-
-class StopOnSignal:
-    """While active, the first Ctrl-C / SIGTERM asks the loop to save and stop after this step;
-    a second one interrupts at once. The previous handlers come back on exit."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)
 AR_KINDS = ("ar", "ar-moe")  # the causal LMs: what AR decoding, a draft's or drafter's --target and spec decode

@@ -4,7 +4,7 @@ program early into one line and an exit status instead of a traceback:
   a user mistake (UserError, a bad flag)  -> "error: ..." on stderr, status 1 (argparse's: 2)
   Ctrl-C outside a training loop           -> "interrupted: ..." on stderr, status 130
   stdout closed by its reader (`| head`)   -> quiet, status 1 (Python's own convention for EPIPE)
-A training loop catches Ctrl-C itself, to save first (checkpoint.StopOnSignal). The entry points that
+A training loop catches Ctrl-C itself, to save first (files.StopOnSignal). The entry points that
 write a story (generate.py, the variants' own in tinydiff/extras/) share `story_parser`'s flags, the
 prompt's encoding and `print_story`.
 """

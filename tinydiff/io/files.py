@@ -5,12 +5,14 @@ teacher's trajectories) is written atomically: into `.NAME.tmpPID` beside it, fl
 renamed over NAME. A crash leaves the old NAME intact, and a kill -9 leaves at most that temp file,
 which `remove_stale_temps` deletes at the next start (the PID in its name says whether its writer
 is still alive). A run folder belongs to one run at a time: `claim_run_folder` holds an exclusive
-lock (flock on OUT/.lock, released by the kernel when the process dies, however it dies).
+lock (flock on OUT/.lock, released by the kernel when the process dies, however it dies), and
+`StopOnSignal` lets a training loop finish its step and save on Ctrl-C / SIGTERM instead of dying.
 Leaves out: locking on Windows (no fcntl there; the claim is skipped) and network filesystems
 whose flock is advisory only between clients of one host.
 """
 import os
 import re
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -131,3 +133,24 @@ def claim_run_folder(out: Path):
             (out / ".lock").unlink()
             out.rmdir()
         lock.close()  # closing the file releases the flock
+
+
+class StopOnSignal:
+    """While active, the first Ctrl-C / SIGTERM asks the loop to save and stop after this step;
+    a second one interrupts at once. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
