@@ -53,6 +53,7 @@ print(json.dumps(pulled))""")
 
 
 def test_generate_on_an_ar_checkpoint_loads_the_core_and_io_only(tmp_path):
+    """What it loads, and how many lines they are: 1,500 at most (7,202 before the core and wings)."""
     config = ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=True)
     save_checkpoint(tmp_path / "ar.pt", kind="ar", config=config, model=Transformer(config))
     argv = ["--ckpt", str(tmp_path / "ar.pt"), "--prompt", "Once upon a time", "--max-new-tokens", "4",
@@ -62,6 +63,9 @@ import json, sys
 import generate
 generate.main({argv!r})
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))""")
+    files = [ROOT / (m.replace(".", "/") + ".py") for m in loaded]  # a package: its folder's __init__.py
+    files = [ROOT / "generate.py"] + [f if f.exists() else f.with_suffix("") / "__init__.py" for f in files]
+    assert sum(len(f.read_text().splitlines()) for f in files) <= 1500
     assert {"tinydiff.ar", "tinydiff.model", "tinydiff.tokenizer", "tinydiff.io.checkpoint"} <= set(loaded)
     assert sorted(m for m in loaded if m not in CORE and m != "tinydiff") == sorted(PLUMBING)
     assert not {"tinydiff.speculative", "tinydiff.dflash", "tinydiff.sampler"} & set(loaded)  # only what AR runs
