@@ -7,22 +7,15 @@ Every model in tinydiff reads and writes GPT-2 token ids. The masked-diffusion L
 one id that GPT-2 never had: MASK, the "not decided yet" state of a position. We append it after
 GPT-2's last id, so the vocabulary grows from 50,257 to 50,258 and every GPT-2 id keeps its meaning.
 """
-import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+import common  # the repository on sys.path, the offline tokenizer cache, the flags (lessons/common.py)
 
-from tinydiff.tokenizer import EOT, MASK, MASK_TEXT, VOCAB_SIZE, Tokenizer  # noqa: E402
+from tinydiff.tokenizer import EOT, MASK, MASK_TEXT, VOCAB_SIZE, Tokenizer
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="skip measuring a whole story file")
-parser.add_argument("--data", default=str(SHARED / "data" / "tinystories-sample.txt"))
-args = parser.parse_args()
+args = common.setup(__doc__, "skip measuring a whole story file",
+                    data=([common.STORIES], "a TinyStories text file to measure"))
 tok = Tokenizer()
 
 print("1. BPE splits text into pieces it learned from web text; common words are one piece.")
@@ -49,13 +42,12 @@ print(f"   {tok.decode(canvas)!r}")
 print("   The diffusion LM starts from all-MASK and fills positions in, in any order.\n")
 
 print("5. Why not characters? Fewer positions per story means a shorter context does more.")
-path = Path(args.data)
-if args.quick or not path.exists():
+if args.data is None:
     sample = text + " She loved to play outside with her friends."
     print(f"   {len(sample.encode())} bytes -> {len(tok.encode(sample))} tokens "
           f"({len(sample.encode()) / len(tok.encode(sample)):.2f} bytes per token) on one sentence")
 else:
-    stories = [s.strip() for s in path.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
+    stories = [s.strip() for s in Path(args.data).read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
     n_tokens = sum(len(i) for i in tok.encode_batch(stories, num_threads=os.cpu_count() or 1))
     n_bytes = sum(len(s.encode()) for s in stories)
     print(f"   {len(stories):,} stories: {n_bytes:,} bytes -> {n_tokens:,} tokens "

@@ -1,32 +1,23 @@
 """Lesson 03: the forward process of masked diffusion, and why the loss weighs each token by 1/t.
 
 Run: python lessons/03_masking.py [--quick]
-Read next: tinydiff/diffusion.py (this lesson's code, 100 lines), then lessons/04_train_mdlm.py.
+Read next: tinydiff/diffusion.py (add_noise, sample_t, mdlm_loss, elbo: this lesson's code), then
+lessons/04_train_mdlm.py.
 
 A masked-diffusion LM learns to undo one corruption: each token is replaced by MASK with
 probability t, for t anywhere in (0, 1). At t near 0 the model fills one hole in a whole story;
 at t near 1 it writes from almost nothing. Sampling runs the process backwards.
 """
-import argparse
 import math
-import os
-import sys
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff.diffusion import add_noise, elbo, sample_t
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.tokenizer import Tokenizer
 
-from tinydiff.diffusion import add_noise, elbo, sample_t  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.tokenizer import Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="fewer Monte-Carlo draws")
-args = parser.parse_args()
+args = common.setup(__doc__, "fewer Monte-Carlo draws")
 tok = Tokenizer()
 story = "Lily had a red ball. She threw it to her dog, and the dog ran to get it."
 x = torch.tensor([tok.encode(story)])  # (1, T)
@@ -59,7 +50,7 @@ print("\n4. The bound on an untrained model. A uniform guess over the 50,257 tex
 print("   log(50,257) = 10.82 nats/token, and random logits of variance s^2 add about s^2 / 2 to that.")
 print("   The bound is an estimate over noise draws (t, then which tokens are masked), and the 1/t weight")
 print("   makes a draw at small t count for a lot: read it with its standard error.")
-torch.manual_seed(0)
+torch.manual_seed(args.seed)
 model = Transformer(ModelConfig(context=64, n_layer=2, n_head=2, d_model=64, d_ff=128, causal=False)).eval()
 result = elbo(model, x, mc=4 if args.quick else 32, generator=torch.Generator().manual_seed(0),
               n_bytes=len(story.encode()))

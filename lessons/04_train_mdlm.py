@@ -5,37 +5,29 @@ Read next: lessons/05_sampling.py; train.py is the same loop with checkpoints, r
 
 This is train.py's inner loop with nothing else: random windows of tokens, the ELBO loss of
 tinydiff/diffusion.py, AdamW. The model is the same Transformer as the AR model, run with
-bidirectional attention. Stories come from ../shared's sample when present, else a few built in.
+bidirectional attention. Stories come from ../shared's sample (--data) when present, else (and with
+--quick) from three built in.
 """
-import argparse
-import os
-import sys
 import time
 from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
-
-from tinydiff.diffusion import elbo, mdlm_loss  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.sampler import generate  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
+from tinydiff.diffusion import elbo, mdlm_loss
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.sampler import generate
+from tinydiff.tokenizer import EOT, Tokenizer
 
 BUILT_IN = ["Once upon a time, there was a little cat. The cat liked to play with a ball.",
             "Tom saw a big dog. The dog was happy. Tom and the dog played in the park all day.",
             "Lily had a red hat. She wore it to school. Her friends said, \"What a nice hat!\""]
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="a few steps of a smaller model")
-args = parser.parse_args()
+args = common.setup(__doc__, "a few steps of a smaller model, on the built-in stories",
+                    data=([common.STORIES], "a TinyStories text file to train on"))
 tok = Tokenizer()
-sample_file = SHARED / "data" / "tinystories-sample.txt"
-if sample_file.exists() and not args.quick:
-    text = sample_file.read_text(encoding="utf-8")
+if args.data:
+    text = Path(args.data).read_text(encoding="utf-8")
     stories = [s.strip() for s in text.split("<|endoftext|>") if s.strip()][:400]
 else:
     stories = BUILT_IN * 20
@@ -44,7 +36,6 @@ held_out = tokens[-2000:]  # the last stories, never trained on (the built-in on
 if len(tokens) > 4000:
     tokens = tokens[:-2000]
 T, B, steps = (32, 4, 15) if args.quick else (64, 8, 40)  # the plateau comes by step 30
-torch.manual_seed(0)
 model = Transformer(ModelConfig(context=T, n_layer=2, n_head=2, d_model=64, d_ff=192, causal=False))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 print(f"{len(stories)} stories, {len(tokens):,} tokens; a {model.num_params():,}-parameter model; {steps} steps")
@@ -56,7 +47,7 @@ def held_out_bound():
     return elbo(model.eval(), windows, mc=4, generator=torch.Generator().manual_seed(0))["bound"]
 
 
-g = torch.Generator().manual_seed(0)
+g = torch.Generator().manual_seed(args.seed)
 start = time.time()
 for step in range(steps + 1):
     if step % (steps // 5) == 0:

@@ -1,44 +1,27 @@
 """Lesson 05: watch the sampler fill the canvas: LLaDA's schedule, threshold decoding, self-correction.
 
 Run: python lessons/05_sampling.py [--quick] [--ckpt out/mdlm-tiny/ckpt.pt]
-Read next: lessons/06_speculative.py; for this lesson's code tinydiff/sampler.py (each rule below
-is a few lines there).
+Read next: tinydiff/sampler.py (this lesson's code: each rule below is a few lines there) and
+tinydiff/extras/self_correction.py; then lessons/06_parallel_decoding.py.
 
 The canvas starts as the prompt followed by MASKs. Each step is one forward pass: the model
 proposes a token for every masked position with a confidence, and the sampler commits the most
 confident ones in the current block. With a trained checkpoint the text is a story; without one
 (an untrained model) the words are noise but every rule is the same.
 """
-import argparse
-import os
-import sys
-from pathlib import Path
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 
-import torch
+from tinydiff.extras.self_correction import generate_revising
+from tinydiff.model import Transformer, preset
+from tinydiff.sampler import commit_schedule, generate
+from tinydiff.tokenizer import EOT, Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
-
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.model import preset, Transformer  # noqa: E402
-from tinydiff.extras.self_correction import generate_revising  # noqa: E402
-from tinydiff.sampler import commit_schedule, generate  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="an untrained model, fewer tokens")
-parser.add_argument("--ckpt", help="a masked-diffusion checkpoint (default: out/mdlm-*/ckpt.pt if present)")
-args = parser.parse_args()
+args = common.setup(__doc__, "an untrained model, fewer tokens",
+                    ckpt=(["out/mdlm-tiny/ckpt.pt", "out/tour-mdlm/ckpt.pt"], "a masked-diffusion checkpoint"))
 tok = Tokenizer()
-found = sorted(Path("out").glob("mdlm-*/ckpt.pt"))
-path = args.ckpt or (None if args.quick or not found else found[0])
-if path:
-    model, _ = load_model(path, kinds=("mdlm",))
-    print(f"model: {path}")
+if args.ckpt:
+    model = common.load(args.ckpt, ("mdlm",))
 else:
-    torch.manual_seed(0)
     model = Transformer(preset("tiny", causal=False)).eval()
     print("model: untrained (pass --ckpt for real text)")
 prompt = [EOT] + tok.encode("Once upon a time")

@@ -4,7 +4,8 @@ Run: python lessons/15_compiled_decoding.py [--quick] [--ckpt out/ar-tiny/ckpt.p
 Read next: docs/USAGE.md (`--compile`); for this lesson's code tinydiff/model.py (KVCache, Transformer.step),
 tinydiff/fast/compiled.py (`compiled`), tinydiff/fast/fused_steps.py (several steps as one graph),
 tinydiff/fast/fused_round.py (a speculative round as one graph); tests/fast/test_compiled.py and
-tests/fast/test_fused_steps.py (the proof that the tokens do not change).
+tests/fast/test_fused_steps.py (the proof that the tokens do not change). This is the last lesson:
+`python -m tinydiff.bench --report docs` measures every method on models it trains itself.
 
 A decoding step of a small model is a few hundred small operations. On a GPU each one is a kernel
 launched from Python, and the launches, not the arithmetic, take the time: eager `tiny` decoding ran
@@ -15,33 +16,23 @@ by one launch). Then the loop around the step shrinks too: the sampling goes int
 several steps can share one graph call. This lesson does each move on a CPU, where compiling helps
 less (the arithmetic of the 50,258-row head is a real cost here), and checks that no token changes.
 """
-import argparse
-import sys
 from collections import Counter
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.fast.compiled import compiled  # noqa: E402
-from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
+from tinydiff.ar import ar_generate
+from tinydiff.fast.compiled import compiled
+from tinydiff.fast.fused_steps import FusedSteps, multi_step_generate
+from tinydiff.model import ModelConfig, Transformer
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="fewer tokens")
-parser.add_argument("--ckpt", default="out/ar-tiny/ckpt.pt", help="an AR checkpoint, used when it exists")
-args = parser.parse_args()
-torch.manual_seed(0)
-torch.set_num_threads(1)  # one thread: steadier timings on shared cores
-if Path(args.ckpt).exists():
-    model = load_model(args.ckpt, "cpu", kinds=("ar",))[0].eval()
-    print(f"Model: {args.ckpt}.")
+args = common.setup(__doc__, "fewer tokens", ckpt=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR checkpoint"))
+if args.ckpt:
+    model = common.load(args.ckpt, ("ar",))
 else:
     model = Transformer(ModelConfig(context=128, n_layer=2, n_head=2, d_model=64, d_ff=192)).eval()
-    print(f"Model: an untrained 2-layer model ({args.ckpt} not found; the costs are the same as a trained one's).")
+    print("model: an untrained 2-layer model (pass --ckpt for a trained one; the costs are the same)")
 prompt, new = [50256, 464, 1110, 373, 257, 1263, 286, 13], 16 if args.quick else 48
 
 
@@ -103,24 +94,28 @@ with torch.no_grad():
           f"same tokens as eager (greedy): {ids == eager_ids}\n")
 
     print("4. Several steps a graph call (multi-step decoding). Each call still costs the host its guards")
-    print("   and the wait for the read-back, and the warp and draw run eagerly between calls. Eight steps")
+    print("   and the wait for the read-back, and the warp and draw run eagerly between calls. Four steps")
     print("   with their draws unrolled in one graph, each token fed to the next on the device, pay that once")
-    print("   for eight tokens (fused_steps.py):")
-    eight = FusedSteps(model, 8)
-    multi_step_generate(eight, prompt, 8, 0.0, stop_token=None)
-    print(f"   compiling: {eight.compile_seconds:.1f} s (a bigger graph: longer from a cold compile cache)")
-    ids8, result8 = multi_step_generate(eight, prompt, new, 0.0, stop_token=None)
-    print(f"   one token a call {new / steps.seconds:6.1f} tokens/s, eight a call {new / result8.seconds:6.1f} "
-          f"tokens/s; same tokens as eager (greedy): {ids8 == eager_ids}")
+    print("   for four tokens (fused_steps.py; the bench's ar-steps8 and ar-steps16 rows put more in a graph,")
+    print("   which takes longer to compile):")
+    four = FusedSteps(model, 4)
+    multi_step_generate(four, prompt, 4, 0.0, stop_token=None)
+    print(f"   compiling: {four.compile_seconds:.1f} s (the prompt's chunk and a bigger graph: longer from a cold "
+          "compile cache)")
+    ids4, result4 = multi_step_generate(four, prompt, new, 0.0, stop_token=None)
+    print(f"   one token a call {new / steps.seconds:6.1f} tokens/s, four a call {new / result4.seconds:6.1f} "
+          f"tokens/s; same tokens as eager (greedy): {ids4 == eager_ids}")
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     sampled = ar_generate(model, prompt, new, 1.0, generator=g1, stop_token=None)[0]
-    same = multi_step_generate(eight, prompt, new, 1.0, generator=g2, stop_token=None)[0] == sampled
-    print(f"   At T = 1 with the same seed: same tokens as eager: {same}. The uniforms are drawn before the graph")
-    print("   runs, in the eager loop's order; in float32 a draw that falls within rounding of a boundary")
-    print("   could go the other way (tests/fast/test_fused_steps.py checks the samples in float64).\n")
+    same = multi_step_generate(four, prompt, new, 1.0, generator=g2, stop_token=None)[0] == sampled
+    print(f"   At T = 1 with the same seed: same tokens as eager: {same} (the sampling graph compiles too). The")
+    print("   uniforms are drawn before the graph runs, in the eager loop's order; in float32 a draw that falls")
+    print("   within rounding of a boundary could go the other way (tests/fast/test_fused_steps.py checks the")
+    print("   samples in float64).\n")
 
 print("5. On a GPU, `--compile` also captures each graph as a CUDA graph: one launch replays every kernel")
 print("   at the addresses it recorded. So a compiled model keeps one set of cache buffers for every story")
 print("   (new buffers would make inductor record every graph again). A whole speculative round can be one")
 print("   graph too (fused_round.py, fused_dflash.py). Compare them with")
-print("   python -m tinydiff.bench --compile --methods ar,ar-steps8,spec-k4,spec-k4-fused,dflash-b16,dflash-b16-fused")
+print("   python -m tinydiff.bench --compile \\")
+print("       --methods ar,ar-steps4,ar-steps8,spec-k4,spec-k4-fused,dflash-b16,dflash-b16-fused")

@@ -1,63 +1,50 @@
-"""Lesson 07: DFlash. A drafter that fills a whole block of MASKs in one pass, reading the target's mind.
+"""Lesson 09: DFlash. A drafter that fills a whole block of MASKs in one pass, reading the target's mind.
 
-Run: python lessons/07_dflash.py [--quick]
-Read next: lessons/08_ddtree.py; for this lesson's code tinydiff/dflash.py (drafter, training loss),
-tinydiff/dflash.py (the loop), tests/test_dflash_decode.py (the proof that it is lossless)
-and tests/test_dflash.py (that it trains on what it sees).
+Run: python lessons/09_dflash.py [--quick] [--target CKPT --drafter CKPT]
+Read next: tinydiff/dflash.py (this lesson's code: the drafter, its training loss, the loop),
+tests/test_dflash_decode.py (the proof that it is lossless) and tests/test_dflash.py (that it trains
+on what it sees); then lessons/10_ddtree.py.
 
-Lesson 06's draft guesses K tokens with K forwards of a small AR model, one after another. DFlash
+Lesson 07's draft guesses K tokens with K forwards of a small AR model, one after another. DFlash
 ("Block Diffusion for Flash Speculative Decoding", 2026) drafts the whole block at once: a small
 block-diffusion model reads [last committed token, MASK, MASK, ...] and fills every MASK in ONE
 forward. It can be tiny because it does not think for itself: it reads the target's hidden states
 (the "context features") and borrows the target's embedding and LM head. The target then verifies
 the block in one forward, exactly as in speculative decoding, so nothing is lost.
 """
-import argparse
 import math
-import os
-import sys
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff.ar import ar_generate
+from tinydiff.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    block_input,
+    dflash_generate,
+    dflash_loss,
+    draft_block,
+    feature_layers,
+    match,
+    training_mask,
+)
+from tinydiff.sampling import next_token_probs
+from tinydiff.tokenizer import EOT, Tokenizer
 
-from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_input, dflash_generate, dflash_loss,  # noqa: E402
-                             draft_block, feature_layers, match, training_mask)
-from tinydiff.io.checkpoint import drafter_from
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.speculative import next_token_probs  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="a tiny random target, fewer tokens")
-parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="an AR checkpoint, used when present")
-parser.add_argument("--drafter", default="out/dflash-tiny/ckpt.pt", help="a trained drafter, used when present")
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
-torch.manual_seed(args.seed)
-torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
+args = common.setup(__doc__, "a tiny random target, fewer tokens", needs={"drafter": "target"},
+                    target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target"),
+                    drafter=(["out/dflash-tiny/ckpt.pt", "out/tour-dflash/ckpt.pt"], "a trained DFlash drafter for it"))
 generator = torch.Generator().manual_seed(args.seed)
 tok = Tokenizer()
 B = 8  # block size: slot 0 = the last committed token, 7 MASKs to fill
 
-if not args.quick and Path(args.target).exists():
-    target, _ = load_model(args.target, kinds=("ar",))
-    print(f"target: {args.target}")
-else:
-    # No trained target: a random one whose blocks matter (lesson 06 explains the larger weights).
-    target = Transformer(ModelConfig(context=128, n_layer=4, n_head=2, d_model=64, d_ff=192)).eval()
-    with torch.no_grad():
-        for name, w in target.named_parameters():
-            if w.dim() == 2:
-                w.normal_(0, 0.3 if name == "embed.weight" else 0.5)
+if args.target:
+    target = common.load(args.target, ("ar",), "target")
+else:  # a random target whose blocks matter (lessons/common.py)
+    target = common.random_target()
     print("target: a tiny random Transformer (train out/ar-tiny for real stories)")
+trained = common.load_drafter(args.drafter, target) if args.target and args.drafter else None
 for p in target.parameters():
     p.requires_grad_(False)  # frozen: the drafter reads it, never trains it
 L = target.config.n_layer
@@ -103,9 +90,8 @@ print(f"   ce {stats['ce']:.2f} | slot-1 acc {stats['acc']:.2f} | tau proxy {sta
       f"guesses blindly (a uniform guess scores ln V = {math.log(config.vocab_size):.2f}).")
 print("   `train.py --model dflash --target CKPT` minimises it on TinyStories (better: on text the target")
 print("   regenerates, so the drafter imitates the target rather than the corpus), the target frozen.\n")
-if not args.quick and Path(args.drafter).exists():
-    drafter = drafter_from(load_checkpoint(args.drafter), target, args.drafter)
-    B = drafter.config.block_size
+if trained:
+    drafter, B = trained, trained.config.block_size
     print(f"   From here on: the trained drafter {args.drafter} (B = {B}).\n")
 drafter.eval()
 
@@ -150,4 +136,5 @@ with torch.no_grad():
     print("   forward per round); trained, each round commits several tokens for one target forward")
     print("   (its target forwards also count the prefill over the prompt). At temperature > 0 the loop stays")
     print("   exact: the target samples every position itself and a draft only decides how far it gets")
-    print("   (rule='match'), or a sampled draft goes through lesson 06's rejection rule (rule='reject').")
+    print("   (dflash.match); tinydiff/extras/dflash_reject.py samples the drafts instead and judges them by")
+    print("   lesson 07's rejection rule.")

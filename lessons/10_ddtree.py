@@ -1,69 +1,45 @@
-"""Lesson 08: DDTree. Verify a whole tree of drafts, picked from one DFlash pass, in one target forward.
+"""Lesson 10: DDTree. Verify a whole tree of drafts, picked from one DFlash pass, in one target forward.
 
-Run: python lessons/08_ddtree.py [--quick]
-Read next: lessons/09_ssd.py; for this lesson's code tinydiff/ddtree.py (build, compile, follow,
-compact, the loop), tests/test_ddtree.py (the proof that the heap picks the best prefixes, the
-mask is right and the output is the target's); for trees that sample (T > 0), tinydiff/extras/ddtree_sampled.py.
+Run: python lessons/10_ddtree.py [--quick] [--target CKPT --drafter CKPT]
+Read next: tinydiff/ddtree.py (this lesson's code: build, compile, follow, compact, the loop),
+tests/test_ddtree.py (the proof that the heap picks the best prefixes, the mask is right and the
+output is the target's); for trees that sample (T > 0), tinydiff/extras/ddtree_sampled.py and
+tests/extras/test_ddtree_sampled.py; then lessons/11_eagle3.py.
 
-Lesson 07's drafter fills a block in one forward and the target checks ONE path: the drafter's
+Lesson 09's drafter fills a block in one forward and the target checks ONE path: the drafter's
 favourite token at every depth. But that forward gave a whole distribution per depth. DDTree
 ("Accelerating Speculative Decoding with Block Diffusion Draft Trees", 2026) spends a budget of N
 nodes on the likeliest continuations under those distributions, lays them out as a tree and checks
 them all in one target forward, with a mask that lets each node see only its own ancestors. When the
 drafter's favourite is wrong but its second guess is right, the tree still gets there.
 """
-import argparse
-import os
-import sys
-from pathlib import Path
-
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff.ar import ar_generate
+from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_generate, draft_block
+from tinydiff.extras.ddtree_sampled import build_sampled_tree, follow_sampled_tree
+from tinydiff.sampling import next_token_probs
+from tinydiff.tokenizer import EOT, Tokenizer
 
-from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.ddtree import build_tree, compact_cache, compile_tree, ddtree_generate, follow_tree  # noqa: E402
-from tinydiff.extras.ddtree_sampled import build_sampled_tree, follow_sampled_tree  # noqa: E402
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, draft_block  # noqa: E402
-from tinydiff.io.checkpoint import drafter_from
-from tinydiff.dflash import dflash_generate  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.speculative import next_token_probs  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="a tiny random target, fewer tokens")
-parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="an AR checkpoint, used when present")
-parser.add_argument("--drafter", default="out/dflash-tiny/ckpt.pt", help="a trained drafter, used when present")
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
-torch.manual_seed(args.seed)
-torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
+args = common.setup(__doc__, "a tiny random target, fewer tokens", needs={"drafter": "target"},
+                    target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target"),
+                    drafter=(["out/dflash-tiny/ckpt.pt", "out/tour-dflash/ckpt.pt"], "a trained DFlash drafter for it"))
 tok = Tokenizer()
 show = lambda t: repr(tok.decode([int(t)]))  # noqa: E731
 
-if not args.quick and Path(args.target).exists():
-    target, _ = load_model(args.target, kinds=("ar",))
-    print(f"target: {args.target}")
-else:  # lesson 07's tiny random target, whose blocks matter
-    target = Transformer(ModelConfig(context=128, n_layer=4, n_head=2, d_model=64, d_ff=192)).eval()
-    with torch.no_grad():
-        for name, w in target.named_parameters():
-            if w.dim() == 2:
-                w.normal_(0, 0.3 if name == "embed.weight" else 0.5)
+if args.target:
+    target = common.load(args.target, ("ar",), "target")
+else:  # lesson 09's tiny random target, whose blocks matter
+    target = common.random_target()
     print("target: a tiny random Transformer (train out/ar-tiny for real stories)")
-trained = not args.quick and Path(args.drafter).exists()
+trained = bool(args.target and args.drafter)
 if trained:
-    drafter = drafter_from(load_checkpoint(args.drafter), target, args.drafter)
-    print(f"drafter: {args.drafter}")
+    drafter = common.load_drafter(args.drafter, target)
 else:
     drafter = DFlashDrafter(DFlashConfig.for_target(target.config, n_layer=1, block_size=8), target).eval()
-    print("drafter: untrained (train one with lesson 07's command to see real trees)")
+    print("drafter: untrained (train one with lesson 09's command to see real trees)")
 B, D, BUDGET = drafter.config.block_size, 4, 8  # the lesson's tree: depths 1..4, 8 nodes
 
 prompt = [EOT] + tok.encode("Once upon a time, there was a")
@@ -171,5 +147,6 @@ with torch.no_grad():
         print(f"   {k} child{'ren' if k > 1 else '   '}: the top {k} of q, kept if p's sample is one: "
               f"{float(p[q.topk(k).indices].sum()):.2f} | {k} draw{'s' if k > 1 else ' '} of q judged by rejection: "
               f"{kept / walks:.2f}")
-    print("   Either way the committed token is a sample of p (tests/test_ddtree_sampled.py proves it). On the")
-    print("   T = 1 drafter of docs/LOG.md, 32-node trees go from tau 2.13 to 3.69 (`generate.py --rule reject`).")
+    print("   Either way the committed token is a sample of p (tests/extras/test_ddtree_sampled.py proves it). On the")
+    print("   T = 1 drafter of docs/LOG.md, 32-node trees go from tau 2.13 to 3.69 (`python -m")
+    print("   tinydiff.extras.ddtree_sampled`; the bench's ddtree-n32-reject row).")

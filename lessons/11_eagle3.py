@@ -1,11 +1,11 @@
-"""Lesson 10: EAGLE-3. A one-layer draft head, and why it must practise on its own guesses.
+"""Lesson 11: EAGLE-3. A one-layer draft head, and why it must practise on its own guesses.
 
-Run: python lessons/10_eagle3.py [--quick]
-Read next: lessons/11_dmoe.py; for this lesson's code tinydiff/eagle3.py (head, training-time test),
-tinydiff/eagle3.py (chain and tree decoding), tests/test_eagle.py (the proof that training
-sees what drafting sees and that the output is the target's).
+Run: python lessons/11_eagle3.py [--quick]
+Read next: tinydiff/eagle3.py (this lesson's code: the head, the training-time test, chain and tree
+decoding), tests/test_eagle3.py (the proof that training sees what drafting sees) and
+tests/test_eagle3_decode.py (that the output is the target's); then lessons/12_dmoe.py.
 
-Lesson 07's drafter reads the target's hidden states and drafts a block in one pass. EAGLE
+Lesson 09's drafter reads the target's hidden states and drafts a block in one pass. EAGLE
 (Li et al.; EAGLE-3, 2025: "Scaling up Inference Acceleration of LLMs via Training-Time Test")
 drafts one token at a time with a head of ONE Transformer layer. Row t of the head reads [the
 embedding of token t+1, a feature of position t] and guesses token t+2. For the first draft the
@@ -18,26 +18,25 @@ different-looking features from the second draft on, and guesses badly there. EA
 "training-time test": unroll the head K steps during training, on its own features, exactly as it
 will draft. This lesson trains one head each way, for the same number of steps, and measures tau.
 """
-import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinydiff.ar import ar_generate, ar_loss  # noqa: E402
-from tinydiff.eagle3 import EagleConfig, EagleHead, eagle_layers, eagle_loss, unroll_mask, unrolled_logits  # noqa: E402
-from tinydiff.eagle3 import eagle_generate  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
+from tinydiff.ar import ar_generate, ar_loss
+from tinydiff.eagle3 import (
+    EagleConfig,
+    EagleHead,
+    eagle_generate,
+    eagle_layers,
+    eagle_loss,
+    unroll_mask,
+    unrolled_logits,
+)
+from tinydiff.model import ModelConfig, Transformer
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="fewer training steps (about 20 s on one CPU core)")
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
-torch.manual_seed(args.seed)
-torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
+args = common.setup(__doc__, "fewer training steps (about 20 s on one CPU core)")
 generator = torch.Generator().manual_seed(args.seed)
 V, CONTEXT, NOISE = 16, 48, 0.1
 TARGET_STEPS, HEAD_STEPS = (150, 100) if args.quick else (300, 200)
@@ -58,13 +57,9 @@ def stories(n, T):
 
 print(f"   {stories(1, 16)[0].tolist()}")
 target = Transformer(ModelConfig(vocab_size=V, context=CONTEXT, n_layer=4, n_head=4, d_model=64, d_ff=128))
-optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3, weight_decay=0.0)
 start = time.perf_counter()
-for step in range(TARGET_STEPS):
-    loss, _ = ar_loss(target, stories(16, CONTEXT + 1))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+loss, _ = common.train(target, lambda step: ar_loss(target, stories(16, CONTEXT + 1)), TARGET_STEPS, 3e-3,
+                       weight_decay=0.0)  # lesson 04's loop
 keep = 1 - NOISE + NOISE / V
 floor = -keep * math.log(keep) - (V - 1) * (NOISE / V) * math.log(NOISE / V)
 print(f"   A 4-layer target, {TARGET_STEPS} steps ({time.perf_counter() - start:.0f} s): next-token loss "
@@ -89,13 +84,8 @@ def train_head(K):
     """A fresh head trained HEAD_STEPS steps with K unrolled steps (K = 1: no training-time test)."""
     torch.manual_seed(args.seed + 1)  # both heads start from the same weights
     head = EagleHead(EagleConfig.for_target(target.config, steps_ahead=K), target)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(HEAD_STEPS):
-        loss, _ = eagle_loss(head, stories(16, CONTEXT))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return head.eval()
+    common.train(head, lambda step: eagle_loss(head, stories(16, CONTEXT)), HEAD_STEPS, 3e-3, weight_decay=0.0)
+    return head
 
 
 DRAFTS = 4
@@ -127,7 +117,7 @@ print("   draft: the only difference is what training showed it.\n")
 
 print("4. A dynamic tree (EAGLE-2's): each depth, every frontier node offers its top `branch` children;")
 print("   the `branch` best by cumulative log-prob grow further; the best `budget` nodes are verified in ONE")
-print("   target forward with an ancestor-only mask (lesson 08's verify). tau per round, both heads, greedy and")
+print("   target forward with an ancestor-only mask (lesson 10's verify). tau per round, both heads, greedy and")
 print("   at temperature 1 (sampled: those columns move by a few tenths from seed to seed):")
 print(f"   {'':<22} {'K = 1, T 0':>10} {'K = 1, T 1':>10} {'K = 3, T 0':>10} {'K = 3, T 1':>10}")
 with torch.no_grad():
@@ -138,9 +128,9 @@ with torch.no_grad():
         name = "chain" if budget is None else f"tree of {budget}, branch {branch}"
         print(f"   {name:<22} " + " ".join(f"{tau:>10.2f}" for tau in taus))
 print("   Every run is exact. A tree lets the target sample its own token at each node and step into the child")
-print("   that carries it (lesson 08): a node is accepted with probability p(node). Trees pay off where the head")
+print("   that carries it (lesson 10): a node is accepted with probability p(node). Trees pay off where the head")
 print("   is unsure (K = 1): its second guesses get checked too, for rows in the same one verify forward (nearly")
 print("   free on a GPU). At T 1 a good head's chain can beat its tree: the chain's drafts are SAMPLES accepted")
-print("   with min(1, p/q) (lesson 06), which accepts almost always when the head's distribution matches the")
+print("   with min(1, p/q) (lesson 07), which accepts almost always when the head's distribution matches the")
 print("   target's, noise included; a tree's nodes are fixed top guesses (EAGLE's reference verifies them the")
 print("   same way as here: its recursive rejection with q = 1 accepts a child with probability p(child)).")

@@ -1,8 +1,8 @@
-"""Lesson 11: dMoE. Route one block of tokens two ways and count the experts it reads.
+"""Lesson 12: dMoE. Route one block of tokens two ways and count the experts it reads.
 
-Run: python lessons/11_dmoe.py [--quick]
-Read next: lessons/12_triton.py; for this lesson's code tinydiff/dmoe.py (block_routing is fifteen
-lines), then tests/test_dmoe.py.
+Run: python lessons/12_dmoe.py [--quick]
+Read next: tinydiff/dmoe.py (this lesson's code: block_mass and block_routing are the paper's rule),
+tests/test_dmoe.py; then lessons/13_fp4_experts.py.
 
 A mixture-of-experts layer sends each token to its top-k experts. An autoregressive model reads
 one token per forward, so k experts. A diffusion LM decodes a whole block per forward, and its
@@ -11,21 +11,24 @@ every step. dMoE (block-level routing) sums the block's routing into one distrib
 smallest set of top experts that holds most of the mass (the coreset), and lets every token
 choose its top-k only inside it. Fewer experts per forward means fewer weight bytes to read.
 """
-import argparse
-import sys
 import time
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinydiff.dmoe import (MoEConfig, MoEFeedForward, MoETransformer, block_mass, block_routing,  # noqa: E402
-                           moe_config, moe_layers, set_routing, unique_experts)
+from tinydiff.dmoe import (
+    MoEConfig,
+    MoEFeedForward,
+    MoETransformer,
+    block_mass,
+    block_routing,
+    moe_config,
+    moe_layers,
+    set_routing,
+    unique_experts,
+)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="a shorter sequence for the whole-model part")
-args = parser.parse_args()
-torch.manual_seed(0)
+args = common.setup(__doc__, "a shorter sequence for the whole-model part")
 
 E, K, BLOCK, D = 16, 2, 32, 32
 layer = MoEFeedForward(MoEConfig(d_model=D, d_ff=96, n_experts=E, moe_top_k=K, route_block=BLOCK,

@@ -1,10 +1,10 @@
-"""Lesson 14: FP4 experts. Four bits a weight, one shared scale per 32, and the bytes a token reads.
+"""Lesson 13: FP4 experts. Four bits a weight, one shared scale per 32, and the bytes a token reads.
 
-Run: python lessons/14_fp4_experts.py [--quick] [--ckpt CKPT]
-Read next: tinydiff/fp4.py (the format), tinydiff/fp4.py (a MoE layer with packed experts),
-tinydiff/kernels/moe_ffn_fp4.py (a kernel that reads them packed), tests/test_fp4.py; then
+Run: python lessons/13_fp4_experts.py [--quick] [--ckpt CKPT]
+Read next: tinydiff/fp4.py (this lesson's code: the formats, then a MoE layer with packed experts),
+tinydiff/kernels/moe_ffn.py (moe_ffn_fp4, a kernel that reads them packed), tests/test_fp4.py; then
 `python -m tinydiff.tools.quantize` on a trained mdlm-moe checkpoint (docs/USAGE.md, "FP4 experts");
-then lessons/15_compiled_decoding.py.
+then lessons/14_triton.py.
 
 Decoding is memory-bound: every forward reads the weights it uses, and in a mixture-of-experts
 model the experts are most of the weights. Xiaomi's MiMo-V2.5-Pro stores its experts, and only
@@ -12,30 +12,18 @@ them, in MXFP4 (OCP Microscaling v1.0): each weight is a 4-bit float, E2M1, and 
 consecutive weights along an input row share one power-of-two scale, an 8-bit E8M0 exponent. That
 is 4.25 bits a weight instead of 16 (bf16) or 32. Attention, router and embedding stay as they were.
 """
-import argparse
-import os
-import sys
-from pathlib import Path
-
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff import fp4
+from tinydiff.dmoe import MoETransformer, moe_config, moe_layers, set_routing, unique_experts
+from tinydiff.fp4 import quantize_experts
+from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
-from tinydiff import fp4  # noqa: E402
-from tinydiff.io.checkpoint import load_checkpoint  # noqa: E402
-from tinydiff.dmoe import MoETransformer, moe_config, moe_layers, set_routing, unique_experts  # noqa: E402
-from tinydiff.fp4 import quantize_experts  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.tokenizer import EOT, MASK, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="a shorter block in part 4")
-parser.add_argument("--ckpt", help="a full-precision mdlm-moe checkpoint (default: out/*moe*/ckpt.pt if present)")
-args = parser.parse_args()
+args = common.setup(__doc__, "a shorter block in part 4",
+                    ckpt=(["out/mdlm-moe-tiny/ckpt.pt", "out/report-tiny/moe/ckpt.pt"],
+                          "a full-precision mdlm-moe checkpoint"))
 
 print("1. The E2M1 grid: 1 sign bit, 2 exponent bits, 1 mantissa bit. Sixteen codes, fifteen values:")
 print("   code  bits   value     code  bits   value")
@@ -49,16 +37,12 @@ print("   even code (mantissa bit 0), and anything past 6 saturates to 6:")
 demo = torch.tensor([0.25, 0.75, 1.25, 2.5, 3.5, 5.0, 5.1, 7.9, 100.0])
 print("   " + "  ".join(f"{v:g} -> {fp4.E2M1[int(c) & 7]:g}" for v, c in zip(demo.tolist(), fp4.e2m1_encode(demo))))
 
-candidates = [p for p in sorted(Path("out").glob("*moe*/ckpt.pt")) + sorted(Path("out").glob("report-*/moe/ckpt.pt"))
-              if load_checkpoint(p)["config"].get("expert_format", "float") == "float"]
-path = args.ckpt or (candidates[0] if candidates else None)
-if path:
-    model, _ = load_model(path, kinds=("mdlm-moe",))
-    print(f"\nmodel: {path}")
+print()
+if args.ckpt:
+    model = common.load(args.ckpt, ("mdlm-moe",))
 else:
-    torch.manual_seed(0)
     model = MoETransformer(moe_config("tiny")).eval()
-    print("\nmodel: an untrained moe_config('tiny') (pass --ckpt, or train one: docs/USAGE.md; its weights are "
+    print("model: an untrained moe_config('tiny') (pass --ckpt, or train one: docs/USAGE.md; its weights are "
           "N(0, 0.02), a trained model's are less tidy)")
 config = model.config
 layer = moe_layers(model)[0]
@@ -151,5 +135,5 @@ with torch.no_grad():
         read = sum(len(x.last["experts"].unique()) + 1 for x in layers) * layers[0].expert_bytes()  # + the shared
         print(f"   {routing:>5} routing, {label} experts: {unique / len(layers):5.1f} experts per block, "
               f"{read / 1e6:6.2f} MB of expert weights per forward")
-print("   Block routing (lesson 11) cuts the experts a block reads (most where the router spreads a block\n"
+print("   Block routing (lesson 12) cuts the experts a block reads (most where the router spreads a block\n"
       "   over many experts, as an untrained one does); FP4 cuts the bytes of each, whatever the routing.")

@@ -1,10 +1,10 @@
-"""Lesson 09: speculative speculative decoding (SSD). The draft guesses ahead while the target checks.
+"""Lesson 08: speculative speculative decoding (SSD). The draft guesses ahead while the target checks.
 
-Run: python lessons/09_ssd.py [--quick]
-Read next: lessons/10_eagle3.py; for this lesson's code tinydiff/ssd.py (the speculation cache and
-the loop), tests/test_ssd.py (the proof that nothing about the output changes).
+Run: python lessons/08_ssd.py [--quick] [--target CKPT --draft CKPT]
+Read next: tinydiff/ssd.py (this lesson's code: the speculation cache and the loop), tests/test_ssd.py
+(the proof that nothing about the output changes); then lessons/09_dflash.py.
 
-In lesson 06 the draft guesses K tokens, then sits idle while the target verifies them, and only
+In lesson 07 the draft guesses K tokens, then sits idle while the target verifies them, and only
 after the verdict starts guessing again. SSD (Kumar, Dao and May, "Speculative Speculative
 Decoding", 2026) keeps the draft busy: during verification it guesses the verdict ("k of my
 drafts will be accepted, then the target adds token b"), and for each likely verdict it already
@@ -12,57 +12,29 @@ drafts the next round. Those guesses sit in a cache keyed by (k, b). If the real
 cache (a hit) the next round starts at once; if not (a miss) the draft drafts as before. The
 verification rule is untouched, so the output is exactly what the target alone would produce.
 """
-import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff.ar import ar_generate
+from tinydiff.speculative import speculative_generate
+from tinydiff.ssd import geometric_fan_out, ssd_generate
+from tinydiff.tokenizer import EOT, Tokenizer
 
-from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.speculative import speculative_generate  # noqa: E402
-from tinydiff.ssd import geometric_fan_out, ssd_generate  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="tiny random models, fewer tokens")
-parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="used with --draft when both exist")
-parser.add_argument("--draft", default="out/ar-draft/ckpt.pt")
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
-torch.manual_seed(args.seed)
-torch.set_num_threads(1)  # one core per thread: the target on the main thread, the run-ahead on a second one
+# one torch thread (setup) per Python thread: the target on the main one, the run-ahead on a second
+args = common.setup(__doc__, "tiny random models, fewer tokens", needs={"target": "draft", "draft": "target"},
+                    target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target, used with --draft"),
+                    draft=(["out/ar-draft/ckpt.pt", "out/tour-draft/ckpt.pt"], "its AR draft"))
 tok = Tokenizer()
 K = 4
 
-if not args.quick and Path(args.target).exists() and Path(args.draft).exists():
-    target, _ = load_model(args.target, kinds=("ar",))
-    draft, _ = load_model(args.draft, kinds=("ar",))
-    print(f"target {args.target}, draft {args.draft}")
-else:
-    # Lesson 06's pair: a 12-layer random target whose later layers only nudge the residual
-    # stream, and a draft that is its first layer, so the two often agree.
-    config = ModelConfig(context=256, n_layer=12, n_head=2, d_model=64, d_ff=192)
-    target = Transformer(config).eval()
-    with torch.no_grad():
-        for name, w in target.named_parameters():
-            if w.dim() == 2:
-                w.normal_(0, 0.3 if name == "embed.weight" else 0.1)
-            if name.endswith(("wo.weight", "down.weight")) and not name.startswith("blocks.0."):
-                w.mul_(0.05)
-    draft = Transformer(ModelConfig(**{**config.__dict__, "n_layer": 1})).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not k.startswith("blocks.") or k.startswith("blocks.0.")})
-    print("random models (train out/ar-tiny and out/ar-draft for real stories): target 12 layers, "
-          "draft = its first layer")
+if args.target and args.draft:
+    target, draft = common.load(args.target, ("ar",), "target"), common.load(args.draft, ("ar",), "draft")
+else:  # lesson 07's random pair: a 12-layer target and its first layer as the draft, which often agree
+    target, draft = common.random_pair()
+    print("target and draft: random, 12 layers and its first layer (train out/ar-tiny and out/ar-draft "
+          "for real stories)")
 prompt = [EOT] + tok.encode("Once upon a time, there was a little girl named Lily.")
 
 
@@ -159,7 +131,7 @@ if miss is not None:
     print(f"   A MISS (round {miss}, fan-out {miss_fan_out}): the verdict ({m['accepted']}, "
           f"{words(m['tokens'][-1:])[0]!r}) was not among the keys")
     print(f"   {[(k, words([b])[0]) for k, b in m['keys']]};")
-    print(f"   round {miss + 1} was drafted just in time, as in lesson 06.")
+    print(f"   round {miss + 1} was drafted just in time, as in lesson 07.")
 ar_out, _ = ar_generate(target, prompt, new, temperature=0, stop_token=None)
 print(f"   Over the whole run: hit rate {stats.hit_rate:.2f}, hits/lookups per k {stats.hits} / "
       f"{stats.lookups}; output == greedy target decoding: {out == ar_out}.\n")

@@ -1,8 +1,8 @@
-"""Lesson 06: speculative decoding. A cheap draft guesses K tokens; the target checks them all at once.
+"""Lesson 07: speculative decoding. A cheap draft guesses K tokens; the target checks them all at once.
 
-Run: python lessons/06_speculative.py [--quick]
-Read next: lessons/07_dflash.py; for this lesson's code tinydiff/speculative.py (the loop),
-tests/test_speculative.py (the proof it is lossless).
+Run: python lessons/07_speculative.py [--quick] [--target CKPT --draft CKPT]
+Read next: tinydiff/speculative.py (this lesson's code: draft, verify, the loop), tests/test_speculative.py
+(the proof it is lossless); then lessons/08_ssd.py.
 
 Decoding one token costs one target forward, and on small batches that forward is mostly reading
 weights, so scoring K+1 positions costs about as much as scoring one. Speculative sampling
@@ -10,35 +10,30 @@ weights, so scoring K+1 positions costs about as much as scoring one. Speculativ
 score them in one forward. An acceptance rule keeps a prefix of the guesses and fixes the first
 wrong one, such that the output has exactly the target's distribution: faster, and nothing lost.
 """
-import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
+import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and (SHARED / "tiktoken-cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")  # offline workspaces
+from tinydiff.ar import ar_generate
+from tinydiff.sampling import residual
+from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate, verify
+from tinydiff.tokenizer import EOT, Tokenizer
 
-from tinydiff.ar import ar_generate  # noqa: E402
-from tinydiff.io.checkpoint import load_model  # noqa: E402
-from tinydiff.model import ModelConfig, Transformer  # noqa: E402
-from tinydiff.sampling import residual  # noqa: E402
-from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup, speculative_generate, verify  # noqa: E402
-from tinydiff.tokenizer import EOT, Tokenizer  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="fewer samples and tokens")
-parser.add_argument("--target", default="out/ar-tiny/ckpt.pt", help="used with --draft when both exist")
-parser.add_argument("--draft", default="out/ar-draft/ckpt.pt")
-parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
-torch.manual_seed(args.seed)
-torch.set_num_threads(1)  # small models: one thread is fastest and keeps timings steady on shared cores
+args = common.setup(__doc__, "fewer samples and tokens", needs={"target": "draft", "draft": "target"},
+                    target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target, used with --draft"),
+                    draft=(["out/ar-draft/ckpt.pt", "out/tour-draft/ckpt.pt"], "its AR draft"))
 generator = torch.Generator().manual_seed(args.seed)
+if args.target and args.draft:
+    target, draft = common.load(args.target, ("ar",), "target"), common.load(args.draft, ("ar",), "draft")
+    prompt = [EOT] + Tokenizer().encode("Once upon a time")
+else:
+    # No trained pair: a random target whose later layers only nudge the residual stream, and a draft
+    # that is its first layer (a LayerSkip-style draft), so the two mostly agree (lessons/common.py).
+    target, draft = common.random_pair()
+    prompt = [1, 2, 3]
+    print("target and draft: random, 12 layers and its first layer (no trained pair)")
+print()
 
 print("1. One draft token, by hand. The target's next-token distribution p, the draft's q:")
 words = ["the", "cat", "sat", "on", "mat"]
@@ -67,28 +62,6 @@ print("   At temperature 0, p and q are one-hot: keep the guess iff it is the ta
 print("   take the target's argmax. That is plain greedy decoding of the target, token for token.\n")
 
 print("3. The real loop: draft K tokens, one target forward over them, keep a prefix, add one token.")
-if Path(args.target).exists() and Path(args.draft).exists():
-    target, _ = load_model(args.target, kinds=("ar",))
-    draft, _ = load_model(args.draft, kinds=("ar",))
-    prompt = [EOT] + Tokenizer().encode("Once upon a time")
-    print(f"   target {args.target}, draft {args.draft}")
-else:
-    # No trained pair: build one whose draft is the target's own first layer (a LayerSkip-style
-    # draft). The target's later layers only nudge the residual stream, so the two mostly agree.
-    config = ModelConfig(context=256, n_layer=12, n_head=2, d_model=64, d_ff=192)
-    target = Transformer(config).eval()
-    with torch.no_grad():
-        for name, w in target.named_parameters():
-            if w.dim() == 2:  # weights large enough that the blocks, not the tied head, decide
-                w.normal_(0, 0.3 if name == "embed.weight" else 0.1)
-            if name.endswith(("wo.weight", "down.weight")) and not name.startswith("blocks.0."):
-                w.mul_(0.05)
-    draft = Transformer(ModelConfig(**{**config.__dict__, "n_layer": 1})).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not k.startswith("blocks.") or k.startswith("blocks.0.")})
-    prompt = [1, 2, 3]
-    print(f"   no trained pair at {args.target} and {args.draft}: random models, target 12 layers, "
-          "draft = its first layer")
 print(f"   target {target.num_params():,} parameters, draft {draft.num_params():,}")
 
 

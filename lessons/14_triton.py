@@ -1,10 +1,9 @@
-"""Lesson 12: a Triton kernel read line by line next to the PyTorch it replaces, run on a CPU.
+"""Lesson 14: a Triton kernel read line by line next to the PyTorch it replaces, run on a CPU.
 
-Run: python lessons/12_triton.py [--quick]
+Run: python lessons/14_triton.py [--quick]
 Read next: tinydiff/kernels/sampler_step.py (this kernel), then masked_attention.py and moe_ffn.py
 (the same ideas with matrix tiles), tests/test_kernels.py, and `python -m tinydiff.bench.kernels`
-on a GPU. This is the last lesson: lessons/README.md lists them all, and
-`python -m tinydiff.bench --report docs` measures every method on models it trains itself.
+on a GPU; then lessons/15_compiled_decoding.py.
 
 Every diffusion sampler step turns the logits of each position (N, V = 50,258) into a candidate
 token and a confidence. PyTorch does it in a few clear lines (sampler.propose), but each line is
@@ -14,27 +13,23 @@ vocabulary a chunk at a time and keeps only a few running numbers per lane. Noth
 is ever written. On a machine without a GPU, Triton's interpreter (TRITON_INTERPRET=1) runs the
 very same kernel with NumPy: slow, but exact, so we can check it against PyTorch here.
 """
-import argparse
 import inspect
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 # @triton.jit chooses between GPU code and the interpreter when the kernel module is imported,
 # so the choice must be in the environment before that import.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (lessons/common.py: the repository on sys.path, the flags, one thread, the seed)
+
 from tinydiff import kernels  # noqa: E402
 from tinydiff.kernels import sampler_step as step  # noqa: E402
 from tinydiff.sampler import propose  # noqa: E402
 from tinydiff.tokenizer import MASK, VOCAB_SIZE  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--quick", action="store_true", help="fewer positions in the full-vocabulary run")
-args = parser.parse_args()
+args = common.setup(__doc__, "fewer positions in the full-vocabulary run")
 device = "cpu" if kernels.interpreting() else "cuda"
 
 print("1. The reference: sampler.propose's math, with the uniforms u passed in (sampler_step_reference):\n")
