@@ -39,10 +39,12 @@ def traced():
             return out
         return step
 
-    with pytest.MonkeyPatch.context() as patch:
+    # torch's own patch for its config: pytest >= 9.2's monkeypatch deletes a config entry on undo, and
+    # every later compile in the process then fails ("recompile_limit does not exist")
+    limit = torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
+    with pytest.MonkeyPatch.context() as patch, limit:
         patch.setattr(compiled, "compile_step", compile_step)
         patch.setattr(compiled, "replays_cuda_graphs", lambda step, weight: True)
-        patch.setattr(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
         for name, (decode, _) in compiled_loops(models()).items():
             start, calls = len(recorder.graphs), []
             for temperature in (0.0, 1.0):
