@@ -69,3 +69,15 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))"""
     assert {"tinydiff.ar", "tinydiff.model", "tinydiff.tokenizer", "tinydiff.io.checkpoint"} <= set(loaded)
     assert sorted(m for m in loaded if m not in CORE and m != "tinydiff") == sorted(PLUMBING)
     assert not {"tinydiff.speculative", "tinydiff.dflash", "tinydiff.sampler"} & set(loaded)  # only what AR runs
+
+
+def test_the_front_door_stays_short():
+    """The README fits in 150 lines; no table cell of the README or docs/RESULTS.md runs past 200 characters
+    (the history goes to docs/LOG.md)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    for doc in ("README.md", "docs/RESULTS.md"):
+        for line in (ROOT / doc).read_text(encoding="utf-8").splitlines():
+            if line.startswith("|"):
+                cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+                assert max(map(len, cells)) <= 200, (doc, line[:80])

@@ -148,8 +148,10 @@ def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, meth
                 assert_same(a, b, EXACT)
 
 
-def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
-    # Decode every method so the test stands alone, then check what was compiled.
+def test_hot_steps_ran_compiled_the_rest_eagerly_and_each_step_keeps_its_graphs_apart(eager, static):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    # Decode every method so the test stands alone (once: compiling them all is most of this file's time,
+    # and one test pays it on one worker), then check what was compiled.
     for method in METHODS:
         decode(method, static, 0.0)
     compiled_counts = {key[0][1] for key in static["target"].compiled_step.seen}  # the keys start with idx.shape
@@ -170,14 +172,9 @@ def test_hot_steps_ran_compiled_and_the_rest_eagerly(eager, static):
     assert static["draft_fr_round"].compile_seconds > compile_seconds([static["draft_fr_round"].draft])  # the chain's
     assert isinstance(static["target"].new_cache(1), KVCache)  # model.py's own: static from the start
 
-
-def test_each_compiled_step_keeps_its_graphs_apart(eager, static):
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     # Dynamo keeps graphs per code object. Shared by every compiled model, a model's first step would be a
     # recompile judged by the other models' guards (torch 2.13 raised IndexError on a model with
     # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
-    for method in METHODS:
-        decode(method, static, 0.0)
     fused = [static["ar_fused"].call, static["ar_steps"].call] + \
         [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused")]
     steps = [m.compiled_step for m in static.values() if hasattr(m, "compiled_step")] + \

@@ -19,7 +19,8 @@ from cuda_graph_rules import Recorder, off_device_ops
 
 from tinydiff.fast import compiled
 
-pytestmark = pytest.mark.compile
+# One worker builds `traced` (half a minute of tracing) and runs all of them: pytest.ini's --dist loadgroup
+pytestmark = [pytest.mark.compile, pytest.mark.xdist_group("cuda_graph_rules")]
 
 
 @pytest.fixture(scope="module")
