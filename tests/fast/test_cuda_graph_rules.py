@@ -19,8 +19,7 @@ from cuda_graph_rules import Recorder, off_device_ops
 
 from tinydiff.fast import compiled
 
-# One worker builds `traced` (half a minute of tracing) and runs all of them: pytest.ini's --dist loadgroup
-pytestmark = [pytest.mark.compile, pytest.mark.xdist_group("cuda_graph_rules")]
+pytestmark = pytest.mark.compile
 
 
 @pytest.fixture(scope="module")
