@@ -8,6 +8,7 @@ points tiktoken at the workspace's offline cache (../shared/tiktoken-cache) wher
   load_drafter(path, target)      a trained DFlash drafter, around its target
   random_pair(), random_target()  the random AR models the speculative lessons use without checkpoints
   train(model, loss, steps, lr)   lesson 04's loop, for the toy models a later lesson trains on its way
+and a user's mistake (a UserError: a file that is not the checkpoint a flag needs) ends a lesson in one line.
 """
 import argparse
 import os
@@ -26,6 +27,18 @@ import torch  # noqa: E402
 from tinydiff.checks import UserError  # noqa: E402
 from tinydiff.io.checkpoint import drafter_from, load_checkpoint, load_model  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
+
+
+def _one_line(kind, error, traceback, default=sys.excepthook):
+    """A user's mistake (a file that is not the checkpoint a flag needs) ends a lesson in one line, as
+    io/cli.run_main ends an entry point; any other error keeps its traceback."""
+    if issubclass(kind, UserError):
+        print(f"error: {error}", file=sys.stderr)
+    else:
+        default(kind, error, traceback)
+
+
+sys.excepthook = _one_line
 
 
 def setup(doc: str, quick: str, needs: dict = {}, **files) -> argparse.Namespace:
@@ -55,22 +68,15 @@ def setup(doc: str, quick: str, needs: dict = {}, **files) -> argparse.Namespace
 
 
 def load(path, kinds, label="model"):
-    """The model of the checkpoint at `path`, of one of `kinds` (its weights loaded and checked), in eval mode.
-    A file that is not such a checkpoint ends the lesson with the one-line reason."""
-    try:
-        model, _ = load_model(path, kinds=kinds)
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    """The model of the checkpoint at `path`, of one of `kinds` (its weights loaded and checked), in eval mode."""
+    model, _ = load_model(path, kinds=kinds)
     print(f"{label}: {path}")
     return model.eval()
 
 
 def load_drafter(path, target):
     """The DFlash drafter of the checkpoint at `path`, rebuilt around `target` (it borrows its embedding and head)."""
-    try:
-        drafter = drafter_from(load_checkpoint(path), target, path)
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    drafter = drafter_from(load_checkpoint(path), target, path)
     print(f"drafter: {path}")
     return drafter.eval()
 
