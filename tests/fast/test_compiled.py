@@ -6,8 +6,8 @@ several AR steps, fused_dflash.py's of a DFlash round), each hot step compiled b
 fullgraph=True (a graph break is an error),
 gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
 after every round the static caches hold the eager caches' rows; the hot steps really ran compiled;
-misuse is a one-line error.
-The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
+misuse is a one-line error. One test a method checks all of it, so that one worker compiles that method's
+graphs. The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
 only by float64 rounding, far below any argmax or sampling boundary. Compiling is the slow part
 (seconds per shape), so the compiled models are built once for the module and every test shares them.
 """
@@ -122,64 +122,72 @@ METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fused", "spec-fr", "spec-
            "dflash-fused", "dflash-fused-reject", "ddtree", "eagle3", "diffusion-cached"]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+ROUNDS = ["spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused", "ddtree", "eagle3"]
+
+
+def shapes(model) -> set:
+    """The token counts a compiled model's step compiled (its keys start with idx.shape)."""
+    return {key[0][1] for key in model.compiled_step.seen}
+
+
+# What each method's decoding must have run compiled: its hot steps, or its one-graph round or steps.
+RAN_COMPILED = {
+    "ar": lambda s: 1 in shapes(s["target"]),
+    # fused_steps.py's graph of one step and of STEPS steps; ar-fused's model read the prompt, chunked
+    "ar-fused": lambda s: (0.0, None, None) in s["ar_fused"].call.seen and PREFILL_CHUNK in shapes(s["ar_fused"].model),
+    "ar-steps": lambda s: (0.0, None, None) in s["ar_steps"].call.seen,
+    "spec": lambda s: K + 1 in shapes(s["target"]) and shapes(s["draft"]) == {1},
+    # the whole round as one graph, of one shape: the draft reads its newest two tokens every round
+    "spec-fused": lambda s: {key[0] for key in s["spec_plain_fused"].round.seen} == {2},
+    "spec-fr": lambda s: K + 1 in shapes(s["target"]) and shapes(s["draft_fr"].draft) == {1},
+    # the draft's chain from one token (after a rejection) and from two (after a full acceptance)
+    "spec-fr-round": lambda s: {key[0] for key in s["draft_fr_round"].chain.seen} == {1, 2},
+    "spec-fr-fused": lambda s: {key[0] for key in s["spec_fused"].round.seen} == {2},
+    "dflash": lambda s: BLOCK in shapes(s["target"]) and s["drafter"].compiled_step.seen == {BLOCK},
+    "dflash-fused": lambda s: (BLOCK, "match") in {key[:2] for key in s["dflash_fused"].round.seen},
+    "dflash-fused-reject": lambda s: (BLOCK, "reject") in {key[:2] for key in s["dflash_fused"].round.seen},
+    "ddtree": lambda s: BUDGET + 1 in shapes(s["target"]) and s["drafter"].compiled_step.seen == {BLOCK},
+    "eagle3": lambda s: EAGLE_K + 1 in shapes(s["target"]),
+    "diffusion-cached": lambda s: CANVAS in shapes(s["mdlm"]),
+}
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_compiled_decoding_gives_the_eager_tokens(eager, static, method, temperature):
-    assert decode(method, static, temperature) == decode(method, eager, temperature)
-
-
-@pytest.mark.parametrize("method", ["spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
-                                    "dflash-fused", "ddtree", "eagle3"])
-def test_static_caches_hold_the_eager_rows_after_every_round(eager, static, method):
-    def record(into):
-        def on_round(info):
-            caches = [info[name] for name in ("target_cache", "draft_cache") if name in info]
-            into.append([(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v]) for c in caches])
-        return on_round
-
-    ours, theirs = [], []
-    decode(method, static, 1.0, record(ours))
-    decode(method, eager, 1.0, record(theirs))
-    assert len(ours) == len(theirs) > 1
-    for round_ours, round_theirs in zip(ours, theirs):
-        for (n, rows), (m, reference) in zip(round_ours, round_theirs):
-            assert n == m
-            for a, b in zip(rows, reference):
-                assert_same(a, b, EXACT)
-
-
-def test_hot_steps_ran_compiled_the_rest_eagerly_and_each_step_keeps_its_graphs_apart(eager, static):
+def test_compiled_decoding_gives_the_eager_tokens_and_cache_rows_and_ran_its_hot_steps_compiled(eager, static,
+                                                                                               method):
+    """One test a method, so that one worker compiles the method's graphs (compiling is this file's time)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    # Decode every method so the test stands alone (once: compiling them all is most of this file's time,
-    # and one test pays it on one worker), then check what was compiled.
-    for method in METHODS:
-        decode(method, static, 0.0)
-    compiled_counts = {key[0][1] for key in static["target"].compiled_step.seen}  # the keys start with idx.shape
-    assert {1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1} <= compiled_counts
-    assert static["drafter"].compiled_step.seen == {BLOCK}
-    assert {key[0][1] for key in static["draft"].compiled_step.seen} == \
-        {key[0][1] for key in static["draft_fr"].draft.compiled_step.seen} == {1}
-    assert {key[0] for key in static["draft_fr_round"].chain.seen} == {1, 2}  # after a rejection, after a full acceptance
-    assert (0.0, None, None) in static["ar_fused"].call.seen
-    assert (0.0, None, None) in static["ar_steps"].call.seen
-    assert PREFILL_CHUNK in {key[0][1] for key in static["ar_fused"].model.compiled_step.seen}  # the prompt, chunked
-    # the whole round ran as one graph, of one shape: the draft reads its newest two tokens every round
-    for name in ("spec_fused", "spec_plain_fused"):
-        assert {key[0] for key in static[name].round.seen} == {2}
-    assert {key[:2] for key in static["dflash_fused"].round.seen} == {(BLOCK, "match"), (BLOCK, "reject")}
-    assert all(compile_seconds([m]) > 0 for name, m in static.items() if name not in ("head", "draft_fr"))
-    assert compile_seconds([static["draft_fr"].draft]) > 0
-    assert static["draft_fr_round"].compile_seconds > compile_seconds([static["draft_fr_round"].draft])  # the chain's
-    assert isinstance(static["target"].new_cache(1), KVCache)  # model.py's own: static from the start
+    for temperature in (0.0, 1.0):  # at 1, the same seed gives the same samples
+        assert decode(method, static, temperature) == decode(method, eager, temperature), temperature
 
-    # Dynamo keeps graphs per code object. Shared by every compiled model, a model's first step would be a
-    # recompile judged by the other models' guards (torch 2.13 raised IndexError on a model with
-    # fewer layers), and every step would test them all. Each step holds its own shapes, no more.
+    if method in ROUNDS:  # after every round the static caches hold the eager caches' rows
+        def record(into):
+            def on_round(info):
+                caches = [info[name] for name in ("target_cache", "draft_cache") if name in info]
+                into.append([(c.length, [t[:, :, :c.length].clone() for t in c.k + c.v]) for c in caches])
+            return on_round
+
+        ours, theirs = [], []
+        decode(method, static, 1.0, record(ours))
+        decode(method, eager, 1.0, record(theirs))
+        assert len(ours) == len(theirs) > 1
+        for round_ours, round_theirs in zip(ours, theirs):
+            for (n, rows), (m, reference) in zip(round_ours, round_theirs):
+                assert n == m
+                for a, b in zip(rows, reference):
+                    assert_same(a, b, EXACT)
+
+    # The hot steps ran compiled, a step that compiled booked its seconds (one that did not, none), and each
+    # step keeps its graphs apart. Dynamo keeps graphs per code object: shared by every compiled model, a
+    # model's first step would be a recompile judged by the other models' guards (torch 2.13 raised IndexError
+    # on a model with fewer layers), and every step would test them all. Each step holds its own shapes, no more.
+    assert RAN_COMPILED[method](static), method
     fused = [static["ar_fused"].call, static["ar_steps"].call] + \
         [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused")]
     steps = [m.compiled_step for m in static.values() if hasattr(m, "compiled_step")] + \
         [static["draft_fr"].draft.compiled_step, static["draft_fr_round"].chain] + fused
     for step in steps:
+        assert (step.compile_seconds > 0) == bool(step.seen)
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)
 
 
@@ -197,6 +205,7 @@ def test_a_hot_step_compiles_once_whatever_the_prompt(eager, static):
 
 def test_misuse_is_a_one_line_error(eager, static, monkeypatch):
     cache = static["target"].new_cache(1)
+    assert isinstance(cache, KVCache)  # model.py's own: static from the start
     cache.advance(cache.capacity)
     with pytest.raises(UserError, match="exceeds the model's context"):
         static["target"](torch.tensor([[1]]), cache=cache)

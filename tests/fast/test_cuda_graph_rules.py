@@ -24,9 +24,10 @@ pytestmark = pytest.mark.compile
 
 @pytest.fixture(scope="module")
 def traced():
-    """For each method: the GraphFacts of every graph it compiled, and the first call of each graph."""
+    """traced(method): the GraphFacts of every graph the method compiled, and the first call of each graph.
+    Each method is traced when a test first asks for it, so a worker traces only its own methods."""
     import torch._dynamo  # its config exists once it is imported; here, not at the top (conftest.py says why)
-    recorder, found = Recorder(), {}
+    recorder, found, calls = Recorder(), {}, []
 
     def compile_step(fn, device, mode="default"):  # compiled.compile_step, tracing instead of compiling
         graph = recorder.compile(fn)
@@ -39,54 +40,52 @@ def traced():
             return out
         return step
 
+    def trace(method):
+        if method not in found:
+            decode, _ = loops[method]
+            start, calls[:] = len(recorder.graphs), []
+            for temperature in (0.0, 1.0):
+                for story in (1, 2):
+                    recorder.story = story
+                    decode(temperature, torch.Generator().manual_seed(story))
+            found[method] = (recorder.graphs[start:], list(calls))
+        return found[method]
+
     # torch's own patch for its config: pytest >= 9.2's monkeypatch deletes a config entry on undo, and
     # every later compile in the process then fails ("recompile_limit does not exist")
     limit = torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
     with pytest.MonkeyPatch.context() as patch, limit:
         patch.setattr(compiled, "compile_step", compile_step)
         patch.setattr(compiled, "replays_cuda_graphs", lambda step, weight: True)
-        for name, (decode, _) in compiled_loops(models()).items():
-            start, calls = len(recorder.graphs), []
-            for temperature in (0.0, 1.0):
-                for story in (1, 2):
-                    recorder.story = story
-                    decode(temperature, torch.Generator().manual_seed(story))
-            found[name] = (recorder.graphs[start:], calls)
-    return found
+        loops = compiled_loops(models())
+        yield trace
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_graph_would_be_captured(traced, method):
-    graphs, calls = traced[method]
+def test_every_graph_would_be_captured_and_replayed_where_it_was_recorded(traced, method):
+    """One test a method, so that one worker traces it. Every graph the method compiles:"""
+    graphs, calls = traced(method)
     assert graphs and len(graphs) == len(calls), "every method compiles graphs, each traced once"
+    # 1. would be captured: no refusal
     for facts in graphs:
         assert facts.refusals() == [], method
 
-
-@pytest.mark.parametrize("method", METHODS)
-def test_static_inputs_stay_where_they_were_story_after_story(traced, method):
-    """A graph tree records a graph again whenever a static input moves, and keeps every recording: caches
-    made anew for each story would record every graph once a story. Every call of every graph finds its
-    static inputs (weights, cache buffers) where its first call found them, and some graph of each method
-    serves both stories."""
-    graphs = traced[method][0]
+    # 2. finds its static inputs where it found them. A graph tree records a graph again whenever a static
+    # input moves, and keeps every recording: caches made anew for each story would record every graph once a
+    # story. Every call of every graph finds its static inputs (weights, cache buffers) where its first call
+    # found them, and some graph of each method serves both stories.
     assert any({story for story, _ in facts.calls} == {1, 2} for facts in graphs), method
     for facts in graphs:
         assert len({addresses for _, addresses in facts.calls}) == 1, method
 
-
-@pytest.mark.parametrize("method", METHODS)
-def test_a_replay_copies_in_no_weight_or_cache(traced, method):
-    """Each input a replay copies (tokens, positions, a mask over the cache, uniforms) is smaller than the
-    keys of one layer of the smallest cache (context x width float32s), hence than any cache buffer, and
-    than any weight matrix here but the smallest."""
-    for facts in traced[method][0]:
+    # 3. copies in no weight or cache at a replay: each input a replay copies (tokens, positions, a mask over
+    # the cache, uniforms) is smaller than the keys of one layer of the smallest cache (context x width
+    # float32s), hence than any cache buffer, and than any weight matrix here but the smallest.
+    for facts in graphs:
         assert max(facts.copied_bytes, default=0) < CONTEXT * SMALLEST_WIDTH * 4, method
 
-
-@pytest.mark.parametrize("method", METHODS)
-def test_no_graph_makes_a_tensor_off_its_inputs_device(traced, method):
-    for fn, args in traced[method][1]:
+    # 4. makes no tensor off its inputs' device
+    for fn, args in calls:
         off, ops = off_device_ops(fn, args)
         assert ops > 10 and off == [], method  # ops: the step really ran on meta
 
