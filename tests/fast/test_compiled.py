@@ -23,7 +23,7 @@ from tinydiff.dflash import dflash_generate
 from tinydiff.eagle3 import eagle_generate
 from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.fast import compiled as fast
-from tinydiff.fast.compiled import compile_all, compile_seconds, compile_step, compiled, inductor_settings
+from tinydiff.fast.compiled import compile_all, compile_step, compiled, inductor_settings
 from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, subset_draft_round
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
@@ -43,7 +43,7 @@ K, BLOCK, BUDGET, EAGLE_K, CANVAS, STEPS = 3, 4, 6, 3, 8, 3
 
 @pytest.fixture(scope="module")
 def eager():
-    target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=4, n_head=2, d_model=32, d_ff=64), seed=0)
+    target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=0)
     draft = random_model(ModelConfig(vocab_size=64, context=40, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
     drafter = random_drafter(target, seed=2, n_layer=1, block_size=BLOCK, n_features=1)
     head = random_head(target, seed=3)
