@@ -71,7 +71,7 @@ def sample(probs, generator: torch.Generator | None = None):
 def inverse_cdf(probs, u):
     """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id
     whose float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled
-    graphs' (compiled_round.py, fused_round.py), which draw their uniforms before they run."""
+    graphs' (fast/fused_round.py, fused_steps.py, fused_dflash.py), which draw their uniforms before they run."""
     cdf = probs.double().cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)  # (N,)
 

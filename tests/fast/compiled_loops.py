@@ -19,7 +19,6 @@ from tinydiff.dflash import dflash_generate
 from tinydiff.eagle3 import eagle_generate
 from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.fast.compiled import compiled
-from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, subset_draft_round
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fast.fused_round import PREFILL_CHUNK, fused_speculation, fused_speculative_generate
@@ -31,7 +30,7 @@ from tinydiff.speculative import speculative_generate
 PROMPT, NEW = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 12  # longer than one prefill chunk
 K, BLOCK, BUDGET, STEPS, CANVAS = 3, 4, 6, 3, 8  # drafts a round, DFlash block, tree nodes, AR steps a graph
 CONTEXT, SMALLEST_WIDTH = 40, 16
-METHODS = ["ar", "ar-steps", "spec", "spec-fused", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused",
+METHODS = ["ar", "ar-steps", "spec", "spec-fused", "spec-fr-fused", "dflash", "dflash-fused",
            "dflash-fused-reject", "ddtree", "eagle3", "eagle3-tree", "diffusion-cached"]
 assert len(PROMPT) > PREFILL_CHUNK + 1
 
@@ -70,7 +69,6 @@ def compiled_loops(m, compile=True) -> dict:
     ar = compiled(t, (1,), compile)
     spec = compiled(t, (K + 1,), compile), compiled(m["draft"], (1, 2), compile)
     spec_fused = fused_speculation(t, m["draft"], K, compile)
-    fr = compiled(t, (K + 1,), compile), StaticSubsetDraft(m["draft_fr"], K, compile)
     fr_fused = fused_speculation(t, m["draft_fr"], K, compile)
     dflash, ddtree = [(compiled(t, (n,), compile), compiled(m["drafter"], (BLOCK,), compile))
                       for n in (BLOCK, BUDGET + 1)]
@@ -83,8 +81,6 @@ def compiled_loops(m, compile=True) -> dict:
         "spec": Loop(story(lambda p, n, c: speculative_generate(*spec, p, n, K, **c)), list(spec)),
         "spec-fused": Loop(story(lambda p, n, c: fused_speculative_generate(spec_fused, p, n, **c)),
                            [spec_fused.target, spec_fused.draft.draft]),
-        "spec-fr-round": Loop(story(lambda p, n, c: speculative_generate(*fr, p, n, K, propose=fr[1].propose, **c)),
-                              [fr[0], fr[1].draft]),
         "spec-fr-fused": Loop(story(lambda p, n, c: fused_speculative_generate(fr_fused, p, n, **c)),
                               [fr_fused.target, fr_fused.draft.draft]),
         "dflash": Loop(story(lambda p, n, c: dflash_generate(*dflash, p, n, **c)), list(dflash)),
@@ -111,8 +107,8 @@ def eager_loops(m) -> dict:
     fr = story(lambda p, n, c: speculative_generate(t, m["draft_fr"], p, n, K, propose=subset_draft_round, **c))
     dflash = story(lambda p, n, c: dflash_generate(t, drafter, p, n, **c))
     ddtree = story(lambda p, n, c: ddtree_generate(t, drafter, p, n, budget=BUDGET, **c))
-    loops = {"ar": ar, "ar-steps": ar, "spec": spec, "spec-fused": spec, "spec-fr-round": fr,
-             "spec-fr-fused": fr, "dflash": dflash, "dflash-fused": dflash,
+    loops = {"ar": ar, "ar-steps": ar, "spec": spec, "spec-fused": spec, "spec-fr-fused": fr, "dflash": dflash,
+             "dflash-fused": dflash,
              "dflash-fused-reject": story(lambda p, n, c: dflash_reject_generate(t, drafter, p, n, rule="reject",
                                                                                  **c)),
              "ddtree": ddtree,

@@ -1,10 +1,9 @@
 """Spec: compiled decoding (tinydiff/fast/compiled.py) decodes exactly as the eager loops do.
 
-Every method of the library run on models whose steps are compiled (compiled.compiled, and FR-Spec's
-StaticSubsetDraft; and fused_round.py's graph of a whole speculative round, fused_steps.py's of one or
-several AR steps, fused_dflash.py's of a DFlash round), each hot step compiled by inductor with
-fullgraph=True (a graph break is an error),
-gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
+Every method of the library run on models whose steps are compiled (compiled.compiled; and
+fused_round.py's graph of a whole speculative round, fused_steps.py's of one or several AR steps,
+fused_dflash.py's of a DFlash round), each hot step compiled by inductor with fullgraph=True (a graph
+break is an error), gives the eager loop's tokens at temperature 0 and its samples with the same seed at temperature 1;
 after every round the static caches hold the eager caches' rows; the hot steps really ran compiled;
 misuse is a one-line error. One test a method checks all of it, so that one worker compiles that method's
 graphs. The models are float64, so the padded attention (all rows read, the rest masked) can move a logit
@@ -24,7 +23,6 @@ from tinydiff.eagle3 import eagle_generate
 from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.fast import compiled as fast
 from tinydiff.fast.compiled import compile_all, compile_step, compiled, inductor_settings
-from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, subset_draft_round
 from tinydiff.fast.fused_dflash import FusedDFlash, fused_dflash_generate
 from tinydiff.fast.fused_round import PREFILL_CHUNK, FusedSpeculation, fused_speculative_generate
@@ -61,15 +59,13 @@ def static(eager):
     models = {"target": compiled(eager["target"], hot=(1, K + 1, BLOCK, BUDGET + 1, EAGLE_K + 1, PREFILL_CHUNK)),
               "draft": compiled(eager["draft"], hot=(1,)),
               "draft_fr": FrequentVocabDraft(compiled(eager["draft_fr"].draft, hot=(1,)), eager["draft_fr"].ids),
-              "draft_fr_round": StaticSubsetDraft(eager["draft_fr"], K, hot=(1, 2, PREFILL_CHUNK)),
-              "draft_round": StaticSubsetDraft(every_id(eager["draft"]), K, hot=(PREFILL_CHUNK,)),
               "drafter": compiled(eager["drafter"], (BLOCK,)),
               "head": eager["head"],  # the head's few tiny forwards stay eager
               "mdlm": compiled(eager["mdlm"], hot=(CANVAS,))}
     # The fused graphs read the prompt and run a story's short last rounds on the compiled models above.
     return {**models, "ar_fused": FusedSteps(eager["target"], 1), "ar_steps": FusedSteps(eager["target"], STEPS),
-            "spec_fused": FusedSpeculation(models["target"], eager["target"], models["draft_fr_round"]),
-            "spec_plain_fused": FusedSpeculation(models["target"], eager["target"], models["draft_round"]),
+            "spec_fused": FusedSpeculation(models["target"], eager["target"], eager["draft_fr"], K),
+            "spec_plain_fused": FusedSpeculation(models["target"], eager["target"], every_id(eager["draft"]), K),
             "dflash_fused": FusedDFlash(eager["target"], eager["drafter"])}
 
 
@@ -98,10 +94,6 @@ def decode(method, models, temperature, on_round=None):
     if method == "spec-fr":
         return speculative_generate(t, models["draft_fr"], PROMPT, NEW, K, on_round=on_round,
                                     propose=subset_draft_round, **common)[0]
-    if method == "spec-fr-round":  # eagerly: the plain pruned draft and its eager round
-        draft = models.get("draft_fr_round", models["draft_fr"])
-        propose = getattr(draft, "propose", subset_draft_round)
-        return speculative_generate(t, draft, PROMPT, NEW, K, on_round=on_round, propose=propose, **common)[0]
     if method.startswith("dflash-fused") and "dflash_fused" in models:
         rule = "reject" if method.endswith("reject") else "match"
         return fused_dflash_generate(models["dflash_fused"], PROMPT, NEW, on_round=on_round, rule=rule, **common)[0]
@@ -118,11 +110,11 @@ def decode(method, models, temperature, on_round=None):
     return generate_cached(models["mdlm"], PROMPT, 2 * CANVAS, 2 * CANVAS, CANVAS, temperature, generator=g)[0]
 
 
-METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash",
+METHODS = ["ar", "ar-fused", "ar-steps", "spec", "spec-fused", "spec-fr", "spec-fr-fused", "dflash",
            "dflash-fused", "dflash-fused-reject", "ddtree", "eagle3", "diffusion-cached"]
 
 
-ROUNDS = ["spec", "spec-fused", "spec-fr", "spec-fr-round", "spec-fr-fused", "dflash", "dflash-fused", "ddtree", "eagle3"]
+ROUNDS = ["spec", "spec-fused", "spec-fr", "spec-fr-fused", "dflash", "dflash-fused", "ddtree", "eagle3"]
 
 
 def shapes(model) -> set:
@@ -140,8 +132,6 @@ RAN_COMPILED = {
     # the whole round as one graph, of one shape: the draft reads its newest two tokens every round
     "spec-fused": lambda s: {key[0] for key in s["spec_plain_fused"].round.seen} == {2},
     "spec-fr": lambda s: K + 1 in shapes(s["target"]) and shapes(s["draft_fr"].draft) == {1},
-    # the draft's chain from one token (after a rejection) and from two (after a full acceptance)
-    "spec-fr-round": lambda s: {key[0] for key in s["draft_fr_round"].chain.seen} == {1, 2},
     "spec-fr-fused": lambda s: {key[0] for key in s["spec_fused"].round.seen} == {2},
     "dflash": lambda s: BLOCK in shapes(s["target"]) and s["drafter"].compiled_step.seen == {BLOCK},
     "dflash-fused": lambda s: (BLOCK, "match") in {key[:2] for key in s["dflash_fused"].round.seen},
@@ -185,7 +175,8 @@ def test_compiled_decoding_gives_the_eager_tokens_and_cache_rows_and_ran_its_hot
     fused = [static["ar_fused"].call, static["ar_steps"].call] + \
         [static[name].round for name in ("spec_fused", "spec_plain_fused", "dflash_fused")]
     steps = [m.compiled_step for m in static.values() if hasattr(m, "compiled_step")] + \
-        [static["draft_fr"].draft.compiled_step, static["draft_fr_round"].chain] + fused
+        [static[name].draft.draft.compiled_step for name in ("spec_fused", "spec_plain_fused")] + \
+        [static["draft_fr"].draft.compiled_step] + fused
     for step in steps:
         assert (step.compile_seconds > 0) == bool(step.seen)
         assert len(_debug_get_cache_entry_list(step.compiled._torchdynamo_orig_callable.__code__)) == len(step.seen)

@@ -14,7 +14,6 @@ from stats_helpers import assert_caches_equal, assert_same, float64, one_thread,
 
 from tinydiff.checks import UserError
 from tinydiff.fast.compiled import compiled
-from tinydiff.fast.compiled_round import StaticSubsetDraft
 from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, in_vocab, subset_draft_round
 from tinydiff.fast.fused_round import (
     PREFILL_CHUNK,
@@ -40,8 +39,7 @@ def models():
     # Close to the target, so that rounds accept every draft too; ids that are multiples of 9 only come
     # back through the residual.
     draft = FrequentVocabDraft(perturbed(target, seed=5, noise=0.01), [i for i in range(64) if i % 9])
-    spec = FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(draft, K, compile=False),
-                            compile=False)
+    spec = FusedSpeculation(compiled(target, (), compile=False), target, draft, K, compile=False)
     return target, draft, spec
 
 
@@ -170,8 +168,7 @@ def test_a_plain_draft_as_the_subset_of_every_id_commits_speculative_generates_t
     draft = perturbed(target, seed=5, noise=0.05)  # close to the target: rounds accept several drafts
     subset = every_id(draft)
     assert len(subset.ids) == vocab_size - (vocab_size > MASK) and not bool((subset.ids == MASK).any())
-    spec = FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(subset, K, compile=False),
-                            compile=False)
+    spec = FusedSpeculation(compiled(target, (), compile=False), target, subset, K, compile=False)
     accepted = 0
     for warp in WARPS:
         for seed in range(2):
@@ -252,4 +249,4 @@ def test_bad_input_is_a_one_line_error(models):
     with pytest.raises(UserError, match="max new tokens"):
         fused_speculative_generate(spec, PROMPT, 1000)
     with pytest.raises(UserError, match="pruned draft"):
-        FusedSpeculation(compiled(target, (), compile=False), target, StaticSubsetDraft(target, K, compile=False))
+        FusedSpeculation(compiled(target, (), compile=False), target, target, K, compile=False)

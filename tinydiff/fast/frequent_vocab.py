@@ -72,8 +72,8 @@ class FrequentVocabDraft(nn.Module):
 def every_id(draft) -> "FrequentVocabDraft":
     """The plain draft as a FrequentVocabDraft of every id a language model generates (all but MASK):
     subset_draft_round then draws draft_round's tokens, from the same numbers (MASK, the last id, has
-    probability 0 in both). The compiled rounds of FR-Spec's draft (compiled_round.py, fused_round.py) so
-    serve plain drafts too; the head's copy doubles the draft's embedding in memory."""
+    probability 0 in both). The fused rounds of FR-Spec's draft (fused_round.py) so serve plain drafts
+    too; the head's copy doubles the draft's embedding in memory."""
     return FrequentVocabDraft(draft, [i for i in range(draft.config.vocab_size) if i != MASK])
 
 

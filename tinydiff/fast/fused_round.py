@@ -5,7 +5,8 @@ compiled.py compiles each model's forward and leaves the loop around it eager: t
 the acceptance rule, the draws, and one call into a compiled step per model per round, each of which
 checks its guards. On a CPU that host work costs about as much as a small draft's forward
 (docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
-`speculative_round` is FR-Spec's k drafts (compiled_round.draft_chain; a plain draft runs as the
+`speculative_round` is FR-Spec's k drafts (`draft_chain`: frequent_vocab.subset_draft_round unrolled, each
+forward followed by its warp and draw, the next reading the token just drawn; a plain draft runs as the
 subset of every id, frequent_vocab.every_id: the same draws), the target's forward of the newest token
 and the drafts, its warp, Leviathan's rule (`verdict`; at a plain temperature `sampled_verdict`, which
 writes out one row of probabilities, not k + 1) and the committed token's draw. The host reads back
@@ -14,13 +15,13 @@ The graph's uniforms are drawn before it runs, from the loop's generator and in 
 order (the drafts', the k acceptance tests', the last draw's), so it commits the eager loop's tokens
 (with a CPU generator: CUDA's Philox gives numbers drawn together other values than as many drawn one
 at a time, so on a GPU a seed gives other samples than the eager loop's, as exact).
-One exception, as in compiled_round.py: `sampling.sample` spends no number on an exactly one-hot row
-at T > 0 and the graph always spends one; both stay exact draws.
+One exception: `sampling.sample` spends no number on an exactly one-hot row at T > 0 (a tempered float32
+softmax can be one) and the graph always spends one; both stay exact draws.
 `fused_speculative_generate` is speculative_generate on this graph. It reads the prompt but its
 newest token first (`prefill`: forwards of a fixed chunk, so the prompt compiles once whatever its
 length, counted as target forwards); then every round is one call into one graph, a story's last
 rounds too (the graph drafts k, the verdict reads the drafts there is room for), but for rounds at
-the context's end, which run the eager pieces on static models.
+the context's end, which run the eager round (subset_draft_round, speculative.verify) on static models.
 
 Leaves out: trees, EAGLE-3 (the same verdict would serve it), and batches.
 AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflash.py's.
@@ -28,11 +29,11 @@ AR decoding's step with its draw is fused_steps.py's, DFlash's round fused_dflas
 import torch
 
 from tinydiff.ar import check_prompt
-from tinydiff.fast.compiled import Compiled, compiled, forward_at
-from tinydiff.fast.compiled_round import StaticSubsetDraft, draft_chain
-from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, in_vocab
+from tinydiff.checks import UserError
+from tinydiff.fast.compiled import Compiled, compile_seconds, compiled, forward_at
+from tinydiff.fast.frequent_vocab import FrequentVocabDraft, every_id, in_vocab, subset_draft_round
 from tinydiff.kernels import kernels_enabled
-from tinydiff.sampling import check_warp_args, draftable, inverse_cdf, next_token_probs, residual
+from tinydiff.sampling import check_warp_args, draftable, inverse_cdf, next_token_probs, residual, warp
 from tinydiff.speculative import Tally, check_models, commit, target_probs, verify
 from tinydiff.tokenizer import EOT
 
@@ -84,6 +85,31 @@ def sampled_verdict(logits, small, picks, ids, drafts, u_accept, u_last, tempera
     r = p.index_add(1, ids, -q).clamp_min(0)  # (1, V): max(0, p - q), or p itself
     last = torch.where(r.sum(-1, keepdim=True) > 0, r, p)  # residual's rule where p == q
     return n, inverse_cdf(last, u_last)[0]
+
+
+def draft_chain(model, head, ids, cache, idx, rows, u, n_drafts: int, warp_args):
+    """subset_draft_round's n_drafts forwards after idx (1, T0) at rows (T0,), in one graph.
+
+    model: the draft Transformer, head (N, D) its pruned head rows, ids (N,) their vocabulary ids;
+    u (n_drafts, 1) float64 uniforms (unread at temperature 0). Returns drafts (K,), their places in
+    the subset (K,) and the draft's probabilities over the subset (K, N) (`in_vocab` widens them to
+    the vocabulary). The cache rows are the positions: the chain reads T0 + K - 1 tokens.
+    """
+    greedy = warp_args[0] == 0
+    drafts, picks, qs = [], [], []
+    for j in range(n_drafts):
+        logits, _ = forward_at(model, cache, idx, rows, rows, head=head)  # (1, T, N)
+        q = warp(logits[0, -1], *warp_args)  # (N,)
+        if greedy:
+            pick = q.argmax().view(1)  # (1,)
+        else:  # sampling.sample's inverse CDF, with the uniform it would draw
+            pick = inverse_cdf(q[None], u[j:j + 1])  # (1,)
+        token = ids.index_select(0, pick)  # (1,): a tensor index, never a host integer
+        drafts.append(token)
+        picks.append(pick)
+        qs.append(q)
+        idx, rows = token.view(1, 1), rows[-1:] + 1  # (1, 1), (1,)
+    return torch.cat(drafts), torch.cat(picks), torch.stack(qs)  # (K,), (K,), (K, N)
 
 
 def speculative_round(target, draft, head, ids, target_cache, draft_cache, idx, rows, u_draft, u_accept, u_last,
@@ -179,20 +205,24 @@ class FusedSpeculation:
     its newest again when it lacks only one, so every round after a 1-token prompt's first has one shape
     and one graph: with two, a round often follows the other's, and each graph holds its own frozen
     copy of the target's head, which the switch reads from memory again. `target` (compiled.compiled) and
-    `draft` (a StaticSubsetDraft of k drafts) run the rounds at the context's end, where k drafts have
-    no room, with the eager rule."""
+    the pruned draft's forward, compiled alike, read the prompt in chunks and run the rounds at the
+    context's end, where k drafts have no room, with the eager round."""
 
-    def __init__(self, target, module, draft: StaticSubsetDraft, compile=True):
-        self.target, self.draft, self.k = target, draft, draft.k
-        pruned = draft.module
-        self.round = Compiled(lambda *a: speculative_round(module, pruned.draft, pruned.rows, pruned.ids, *a),
+    def __init__(self, target, module, draft: FrequentVocabDraft, k: int, compile=True):
+        if not isinstance(draft, FrequentVocabDraft):
+            raise UserError("a fused speculative round needs FR-Spec's pruned draft (FrequentVocabDraft; "
+                            "frequent_vocab.every_id makes one of a plain draft)")
+        self.target, self.k = target, k
+        self.draft = FrequentVocabDraft(compiled(draft.draft, (PREFILL_CHUNK,), compile), draft.ids)
+        self.draft.rows = draft.rows  # the head's rows: the pruned draft's own buffer, not a second copy
+        self.round = Compiled(lambda *a: speculative_round(module, draft.draft, draft.rows, draft.ids, *a),
                               target.embed.weight.device, (1, 2), compile)
-        slots = torch.arange(self.k, device=target.embed.weight.device)
-        self.live = [slots < m for m in range(self.k + 1)]  # (k,) each: the first m slots verified
+        slots = torch.arange(k, device=target.embed.weight.device)
+        self.live = [slots < m for m in range(k + 1)]  # (k,) each: the first m slots verified
 
     @property
     def compile_seconds(self) -> float:
-        return self.target.compiled_step.compile_seconds + self.draft.compile_seconds + self.round.compile_seconds
+        return compile_seconds([self.target, self.draft.draft]) + self.round.compile_seconds
 
     def fits(self, target_cache, draft_cache, seq) -> bool:
         """Whether a round after seq has room in both caches: the target writes k + 1 rows, the draft k."""
@@ -227,8 +257,7 @@ def fused_speculation(target, draft, k: int, compile=True) -> FusedSpeculation:
     as the subset of every id: the same tokens) of k drafts a round, compiled with `compile`; both wrappers
     read the prompt in compiled chunks."""
     subset = draft if isinstance(draft, FrequentVocabDraft) else every_id(draft)
-    return FusedSpeculation(compiled(target, (PREFILL_CHUNK,), compile), target,
-                            StaticSubsetDraft(subset, k, compile, hot=(PREFILL_CHUNK,)), compile)
+    return FusedSpeculation(compiled(target, (PREFILL_CHUNK,), compile), target, subset, k, compile)
 
 
 @torch.no_grad()
@@ -252,7 +281,7 @@ def fused_speculative_generate(fused: FusedSpeculation, prompt, max_new_tokens, 
         if fused.fits(target_cache, draft_cache, seq):
             drafts, n, token = fused.run_round(target_cache, draft_cache, seq, warp_args, generator, n_drafts)
         else:  # at the context's end: speculative_generate's pieces
-            drafts, q = draft.propose(draft, draft_cache, seq, n_drafts, warp_args, generator)
+            drafts, q = subset_draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
             n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
             drafts = drafts.tolist()
         tokens, stopped = commit(seq, out, drafts[:n] + [token], stop_token, target_cache, draft_cache)
