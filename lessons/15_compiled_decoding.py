@@ -105,13 +105,9 @@ with torch.no_grad():
     ids4, result4 = multi_step_generate(four, prompt, new, 0.0, stop_token=None)
     print(f"   one token a call {new / steps.seconds:6.1f} tokens/s, four a call {new / result4.seconds:6.1f} "
           f"tokens/s; same tokens as eager (greedy): {ids4 == eager_ids}")
-    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    sampled = ar_generate(model, prompt, new, 1.0, generator=g1, stop_token=None)[0]
-    same = multi_step_generate(four, prompt, new, 1.0, generator=g2, stop_token=None)[0] == sampled
-    print(f"   At T = 1 with the same seed: same tokens as eager: {same} (the sampling graph compiles too). The")
-    print("   uniforms are drawn before the graph runs, in the eager loop's order; in float32 a draw that falls")
-    print("   within rounding of a boundary could go the other way (tests/fast/test_fused_steps.py checks the")
-    print("   samples in float64).\n")
+    print("   At T > 0 the graph samples too: the uniforms are drawn before it runs, in the eager loop's order,")
+    print("   so a seed gives the eager loop's tokens (a second graph to compile; tests/fast/test_fused_steps.py")
+    print("   checks the samples in float64, where no draw falls within rounding of a boundary).\n")
 
 print("5. On a GPU, `--compile` also captures each graph as a CUDA graph: one launch replays every kernel")
 print("   at the addresses it recorded. So a compiled model keeps one set of cache buffers for every story")
