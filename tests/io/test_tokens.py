@@ -196,6 +196,40 @@ def test_bad_local_files(tmp_path):
         "blank.txt", "empty.txt", "latin1.txt", "one.txt"]
 
 
+def test_crlf_line_endings_and_a_utf8_byte_order_mark_read_as_plain_text(tmp_path):
+    text = "\ufeff" + "".join(f"{s}\n<|endoftext|>\n" for s in stories(4))  # as Windows' Notepad saves it
+    src = tmp_path / "crlf.txt"
+    src.write_bytes(text.replace("\n", "\r\n").encode("utf-8"))
+    train, val = io_tokens.prepare_tokens(src, cache_dir=tmp_path / "cache")
+    assert decode_stories(train) + decode_stories(val) == stories(4)  # no "\r", no mark, each story whole
+
+
+def test_what_is_not_a_text_file_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """A FIFO (what /dev/stdin is under a pipe) would block, /dev/zero never end: --data must be a regular
+    file. UTF-16, binary bytes and endless lines are refused by what they are, not trained on as noise."""
+    import signal
+    cache = tmp_path / "cache"
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "zeros.txt").symlink_to("/dev/zero")
+    write_stories(tmp_path / "utf16.txt", stories(3))
+    (tmp_path / "utf16.txt").write_bytes((tmp_path / "utf16.txt").read_text().encode("utf-16"))
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "long.txt").write_text("A story." * 100 + "\n<|endoftext|>\nAnother.\n")
+    monkeypatch.setattr(io_tokens, "MAX_LINE", 512)  # the rule at a small size: 1 MiB in use
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("blocked reading --data"))
+    signal.alarm(30)
+    try:
+        for name, message in [("pipe", "pipe is not a regular file"), ("zeros.txt", "not a regular file"),
+                              ("utf16.txt", "is UTF-16 text"), ("binary.bin", r"holds NUL bytes \(line 1\)"),
+                              ("long.txt", r"has a line over 512 bytes \(line 1\)")]:
+            with pytest.raises(UserError, match=message):
+                io_tokens.prepare_tokens(tmp_path / name, cache)
+    finally:
+        signal.alarm(0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # nothing written: no cache, no temp file
+        "binary.bin", "long.txt", "pipe", "utf16.txt", "zeros.txt"]
+
+
 def test_nowhere_writable(tmp_path, monkeypatch):
     src = write_stories(tmp_path / "s.txt", stories(4))
 

@@ -10,6 +10,7 @@ run trusts; a local file's cache sits beside it, or in --cache-dir where that fo
 import hashlib
 import json
 import os
+import stat
 from array import array
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tinydiff.tokenizer import EOT, Tokenizer
 SEPARATOR = "<|endoftext|>"   # a line exactly this (bar its line ending) ends a story
 VAL_FRACTION = 0.05           # share of a local file's stories, taken from its end
 CHUNK = 1024                  # stories per encode_batch call
+MAX_LINE = 1 << 20            # bytes: no line of text is longer (a binary file's may be endless)
 HF_NAME = "roneneldan/TinyStories"
 FORMAT = 1                    # bump when the token file layout changes, invalidating caches
 
@@ -124,6 +126,9 @@ def _prepare_local(data, cache_dir: Path) -> tuple[Path, Path]:
                         f"(TinyStories-train.txt format: stories separated by {SEPARATOR} lines)")
     src = src.resolve()
     st = src.stat()
+    if not stat.S_ISREG(st.st_mode):  # a FIFO (/dev/stdin) would block, /dev/zero never end
+        raise UserError(f"--data {data} is not a regular file (a pipe, a device or a socket); save the "
+                        "stories to a text file and pass that")
     expected = {"format": FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     digest = hashlib.sha256(str(src).encode()).hexdigest()[:10]
     homes = [_cache_paths(src.parent, src.name + "."),
@@ -173,14 +178,23 @@ def read_stories(src: Path, data, bar):
         raise UserError(f"cannot read data file {data} ({type(e).__name__}); "
                         "pass a readable TinyStories-train.txt-format file") from None
     with f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE), b""), 1):
             nbytes += len(raw)
+            if lineno == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise UserError(f"data file {data} is UTF-16 text (it starts with UTF-16's byte-order mark); "
+                                "save it as UTF-8 and pass that")
+            if b"\0" in raw:
+                raise UserError(f"data file {data} holds NUL bytes (line {lineno}): a binary file, or UTF-16 "
+                                "text; pass a UTF-8 TinyStories-train.txt-format file")
+            if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
+                raise UserError(f"data file {data} has a line over {MAX_LINE:,} bytes (line {lineno}): not "
+                                "TinyStories text; pass a UTF-8 TinyStories-train.txt-format file")
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").replace("\r\n", "\n")  # CRLF as LF
             except UnicodeDecodeError:
                 raise UserError(f"data file {data} is not UTF-8 text (line {lineno}); pass a UTF-8 "
                                 "TinyStories-train.txt-format file") from None
-            if line.rstrip("\r\n") != SEPARATOR:
+            if line.rstrip("\n") != SEPARATOR:
                 lines.append(line)
                 continue
             chunk.append("".join(lines).strip())
