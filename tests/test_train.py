@@ -291,7 +291,8 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     train.main(["--model", "mdlm", "--preset", "draft", "--context", "48", "--out", str(teacher.parent),
                 "--max-steps", "2", *common])
     student = ["--model", "mdlm", "--distill", str(teacher), "--distill-stories", "4", "--teacher-temperature", "0",
-               "--anchor-weight", "0.5", "--max-steps", "4", *common]  # the anchor's windows replay on resume too
+               "--anchor-weight", "0.5", "--max-steps", "4", *common, "--eval-batches", "4"]  # the anchor's windows
+    # replay on resume too; 4 x 2 validation rows asked, but never more stories than the 4 it trains on
     train.main([*student, "--out", str(tmp_path / "full")])
     ckpt, parent = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(teacher)
     assert ckpt["kind"] == "mdlm" and ckpt["config"] == parent["config"] and ckpt["step"] == 4
@@ -299,7 +300,7 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
     assert not torch.equal(ckpt["model"]["blocks.0.attn.wq.weight"], parent["model"]["blocks.0.attn.wq.weight"])
     import numpy as np
     stories = np.load(tmp_path / "full" / "trajectories.npy")
-    assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 2
+    assert stories.shape == (4, 2, 1 + 8 + 32) and np.load(tmp_path / "full" / "trajectories-val.npy").shape[0] == 4
     from tinydiff.io.checkpoint import load_model
     from tinydiff.sampler import generate_cached
     tokens, steps = stories[0][:, stories[0][1] != -2]  # the teacher wrote greedily, as asked

@@ -335,7 +335,9 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
     teacher, _ = load_teacher(run["distill"], run["model"], device)
     train = load_or_write(out / "trajectories.npy", teacher, train_tokens, config, run["seed"])
     rows = run["eval_batches"] * run["batch_size"]
-    val_config = replace(config, stories=max(rows, config.stories // 10))  # the validation batches, or a tenth
+    # the validation batches (or a tenth of the stories), never more stories than the run trains on: a
+    # request for 4 writes 4 more, not 256
+    val_config = replace(config, stories=min(max(rows, config.stories // 10), config.stories))
     val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
     print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
           f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, "
