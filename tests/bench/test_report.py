@@ -15,7 +15,8 @@ from conftest import write_stories
 
 import train
 from tinydiff.bench import table as bench
-from tinydiff.bench.report import END, PLOTS, ROLES, START, splice
+from tinydiff.bench.report import END, PLOTS, START, splice
+from tinydiff.bench.report_models import ROLES
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
