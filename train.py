@@ -112,6 +112,18 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
     return stats
 
 
+def peak_memory(device: str) -> str:
+    """The run's peak so far, in words: what PyTorch reserved on a GPU, else the process's resident memory."""
+    if device.startswith("cuda"):
+        return f"peak GPU memory {torch.cuda.max_memory_reserved() / 1e9:.1f} GB reserved"
+    try:
+        import resource
+    except ImportError:  # Windows
+        return "peak memory not measured here"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+    return f"peak resident memory {peak / 1e9:.1f} GB"
+
+
 def restore(optimizer, precision, ckpt, out) -> int:
     """A resumed run's optimizer, gradient-scaler and RNG states; the step to continue from (0 for a new run)."""
     if ckpt is None:
@@ -216,7 +228,8 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
                       f"python train.py --out {out} --resume")
                 return
     rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
-    print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'}")
+    print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'} | "
+          + peak_memory(device))
 
 
 if __name__ == "__main__":

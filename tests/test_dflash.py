@@ -20,11 +20,13 @@ from stats_helpers import (
     random_model,
 )
 
+from tinydiff import dflash
 from tinydiff.checks import UserError
 from tinydiff.dflash import (
     DFlashConfig,
     DFlashDrafter,
     block_input,
+    block_loss,
     default_decay,
     dflash_generate,
     dflash_loss,
@@ -196,6 +198,29 @@ def test_loss_labels_weights_and_anchors(models64):
         first += float(logits[0].argmax() == windows[b, a + 1])
     assert abs(float(loss) - total / 15) <= EXACT * total / 15 and float(stats["ce"]) == float(loss)
     assert float(stats["acc"]) == first / 15
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8], ids=["labels", "soft labels"])
+def test_the_loss_read_a_window_at_a_time_has_the_whole_batchs_value_stats_and_gradients(models64, monkeypatch,
+                                                                                         temperature):
+    """dflash_loss holds a few windows' logits at a time and makes each chunk's again in the backward (activation
+    checkpointing): in chunks of one window, its loss and gradients are those of the whole batch's logits at once
+    (packed_logits and block_loss, no checkpoint), to float64 rounding; its stats the same means."""
+    target, drafter = models64
+    windows = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 1)
+    loss, stats = dflash_loss(drafter, windows, torch.Generator().manual_seed(2), temperature)
+    loss.backward()
+    grads = {name: w.grad for name, w in drafter.named_parameters()}
+    drafter.zero_grad(set_to_none=True)
+    anchors = sample_anchors(3, 20, drafter.config.block_size, drafter.config.anchors, torch.Generator().manual_seed(2))
+    whole, whole_stats = block_loss(drafter, windows, anchors, *packed_logits(drafter, windows, anchors), temperature)
+    whole.backward()
+    assert_same(loss, whole)
+    for name, weight in drafter.named_parameters():
+        assert_same(grads[name], weight.grad)
+    drafter.zero_grad(set_to_none=True)
+    assert all(abs(float(stats[k]) - float(whole_stats[k])) < 1e-6 for k in ("acc", "tau_proxy"))
 
 
 @torch.no_grad()

@@ -14,8 +14,10 @@ from stats_helpers import (
     one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
 )
 
+from tinydiff import dflash
 from tinydiff.eagle3 import draft_chain, draft_tree, eagle_layers, eagle_loss, log_probs, unroll_mask, unrolled_logits
 from tinydiff.io.checkpoint import head_from, load_checkpoint, save_checkpoint
+from tinydiff.sampling import next_token_probs, soft_ce
 from tinydiff.tokenizer import EOT, MASK
 
 GREEDY = (0, None, None)  # warp args
@@ -99,6 +101,32 @@ def test_loss_is_the_weighted_distillation_cross_entropy(models64):
     assert float(stats["ce"]) == float(loss)
     want = target_logits[:, 1:, :MASK].argmax(-1)
     assert float(stats["acc"]) == float((unrolled[0][..., :MASK].argmax(-1) == want).float().mean())
+
+
+def test_the_loss_read_a_chunk_of_rows_at_a_time_has_the_whole_batchs_value_stats_and_gradients(models64, monkeypatch):
+    """eagle_loss holds LOSS_ROWS rows' logits at a time and makes each chunk's again in the backward (activation
+    checkpointing): its loss and gradients are those of the whole batch's logits at once (unrolled_logits and the
+    weighted CE), to float64 rounding, and its stats those of one chunk. 5 windows of 9 rows in chunks of 2 windows
+    (2 x 3 steps x 9 rows): the last chunk is short."""
+    target, head = models64
+    windows = torch.randint(0, 50257, (5, 10), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 2 * 3 * 9)
+    loss, stats = eagle_loss(head, windows, steps=3)
+    loss.backward()
+    grads = {name: w.grad for name, w in head.named_parameters()}
+    head.zero_grad(set_to_none=True)
+    logits, target_logits = unrolled_logits(head, windows, 3)
+    p, w = next_token_probs(target_logits[:, 1:], 1.0), [0.8 ** i for i in range(3)]
+    whole = sum(wi * soft_ce(lg[:, i:], p[:, i:]).mean() for i, (wi, lg) in enumerate(zip(w, logits))) / sum(w)
+    whole.backward()
+    assert_same(loss, whole)
+    for name, weight in head.named_parameters():
+        assert_same(grads[name], weight.grad)
+    head.zero_grad(set_to_none=True)
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 10 ** 9)
+    with torch.no_grad():
+        one = eagle_loss(head, windows, steps=3)[1]
+    assert {k: one[k] for k in ("acc", "acc_last", "tau_proxy")} == {k: stats[k] for k in ("acc", "acc_last", "tau_proxy")}
 
 
 @torch.no_grad()

@@ -2,6 +2,8 @@
 one (Ctrl-C and a hard kill alike); flags that would silently change a resumed run are errors."""
 import hashlib
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -68,6 +70,10 @@ def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypat
     monkeypatch.undo()
     train.main(["--out", str(out), "--resume"])
     assert_same_weights(final_weights(out), uninterrupted)
+    done = capsys.readouterr().out.strip().splitlines()[-1]  # the last line says the peak memory so far
+    peak = float(re.fullmatch(r"done: .* \| peak resident memory ([\d.]+) GB", done).group(1)) * 1e9
+    now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    assert 0 < peak <= now + 0.05e9
 
 
 def test_kill_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, kind, uninterrupted):

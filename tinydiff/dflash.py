@@ -28,10 +28,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
+from tinydiff.model import (
+    RULES,
+    Block,
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    rope_table,
+    wide,
+)
 from tinydiff.sampling import check_warp_args, next_token_probs, sample, tempered_ce
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE
@@ -212,14 +223,21 @@ class DFlashDrafter(nn.Module):
         """Logits (B, T, V) for block ids (B, T) at positions pos (T,) or (B, T). ctx_k, ctx_v: per layer
         (B, H, S, D/H) context keys/values; mask: bool over [S context rows; T block rows] (B, 1, T, S + T)
         or what broadcasts to it, True = may attend; None: everything visible."""
-        weight = self.target.embed.weight.detach()  # borrowed and frozen
+        return self.logits(self.hidden(block, pos, ctx_k, ctx_v, mask))
+
+    def hidden(self, block, pos, ctx_k, ctx_v, mask=None):
+        """`forward` without the head: (B, T, D) (training reads the logits a chunk at a time)."""
         is_mask = block == MASK  # (B, T)
-        x = F.embedding(block.masked_fill(is_mask, 0), weight)  # (B, T, D); MASK may lie outside V
-        x = torch.where(is_mask[..., None], self.mask_embed.to(x.dtype), x)
+        x = F.embedding(block.masked_fill(is_mask, 0), self.target.embed.weight.detach())  # (B, T, D); borrowed
+        x = torch.where(is_mask[..., None], self.mask_embed.to(x.dtype), x)  # MASK may lie outside V
         cos, sin = self.rope(pos)
         for i, layer in enumerate(self.layers):
             x, _, _ = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)  # the context's keys first
-        return F.linear(self.norm(x), weight)  # (B, T, V): the target's tied head
+        return x
+
+    def logits(self, h):
+        """The target's tied head on the drafter's hidden states h (..., D): (..., V)."""
+        return F.linear(self.norm(h), self.target.embed.weight.detach())
 
 
 def block_input(last_token: int, block_size: int, device=None):
@@ -252,19 +270,41 @@ def training_mask(anchors, block_size: int, T: int):
     return torch.cat([sees_context, sees_block], -1)
 
 
-def packed_logits(drafter: DFlashDrafter, windows, anchors):
-    """Draft logits (Bw, A, B-1, V) for the blocks at anchors (Bw, A) of windows (Bw, T), and the target's
-    logits (Bw, T, V): one frozen target forward for the features, ONE drafter forward for all blocks."""
+LOSS_ROWS = 512  # rows a loss reads at once: each holds a few vectors of 50,258 floats (~0.2 MB each in float32)
+
+
+def checkpointed_chunks(fn, rows_each: int, *tensors) -> list:
+    """[fn(*chunk) for chunks of tensors along dim 0], a chunk about LOSS_ROWS rows of rows_each each, its graph
+    run again in the backward (activation checkpointing): a loss over 50,258-wide logits holds one chunk's
+    logits at a time, not the batch's."""
+    n = max(1, LOSS_ROWS // rows_each)
+    return [checkpoint(fn, *(t[i:i + n] for t in tensors), use_reentrant=False) for i in range(0, len(tensors[0]), n)]
+
+
+def packed_hidden(drafter: DFlashDrafter, windows, anchors):
+    """The drafter's hidden states (Bw, A, B-1, D) for the blocks at anchors (Bw, A) of windows (Bw, T), and the
+    target's last residual stream (Bw, T, D): one frozen target forward for the features, ONE drafter forward
+    for all blocks. No logits: at 50,258 a row, dflash_loss reads them a chunk of windows at a time."""
     (Bw, T), A, B = windows.shape, anchors.shape[1], drafter.config.block_size
-    with torch.no_grad():
-        target_logits, hidden = drafter.target(windows, causal=True, hidden_layers=drafter.config.taps)
+    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
+        _, hidden = drafter.target(windows, causal=True, head_from=T,
+                                   hidden_layers=[*drafter.config.taps, drafter.config.target_layers])
+    last = hidden.pop()
     kv = drafter.context_kv(drafter.features(hidden), torch.arange(T, device=windows.device))
     pos = (anchors[..., None] + torch.arange(B, device=windows.device)).flatten(1)  # (Bw, A*B)
     block = windows.gather(1, pos).view(Bw, A, B)
     block[:, :, 1:] = MASK  # [token at anchor, MASK x (B-1)] per block
     mask = training_mask(anchors, B, T)[:, None]  # (Bw, 1, A*B, T + A*B): shared by heads
-    logits = drafter(block.flatten(1), pos, [k for k, _ in kv], [v for _, v in kv], mask)  # (Bw, A*B, V)
-    return logits.view(Bw, A, B, -1)[:, :, 1:], target_logits
+    h = drafter.hidden(block.flatten(1), pos, [k for k, _ in kv], [v for _, v in kv], mask)  # (Bw, A*B, D)
+    return h.view(Bw, A, B, -1)[:, :, 1:], last  # slot 0 holds the anchor's token: no prediction
+
+
+def packed_logits(drafter: DFlashDrafter, windows, anchors):
+    """packed_hidden's logits: the drafter's (Bw, A, B-1, V) and the target's (Bw, T, V)."""
+    h, last = packed_hidden(drafter, windows, anchors)
+    with torch.no_grad():
+        target_logits = drafter.target.logits(last)
+    return drafter.logits(h), target_logits
 
 
 def sample_anchors(batch: int, T: int, block_size: int, anchors: int, generator=None, device=None):
@@ -298,13 +338,25 @@ def block_loss(drafter: DFlashDrafter, windows, anchors, logits, target_logits, 
 def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
     """Weighted block CE on windows (Bw, T) of clean text: (loss, stats). Labels: the text's tokens, or with
     a `temperature` the target's distribution (sampling.tempered_ce). stats: ce, acc (slot 1's argmax right),
-    tau_proxy (1 + the mean run of leading correct slots: greedy tau if the target's picks were the text)."""
+    tau_proxy (1 + the mean run of leading correct slots: greedy tau if the target's picks were the text).
+    Memory: the logits of a few windows at a time (checkpointed_chunks), made again in the backward:
+    a window of 256 tokens reads 32 blocks x 15 slots of 50,258 logits, 97 MB in float32."""
     B = drafter.config.block_size
     if windows.shape[1] < B + 1:
         raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
-    anchors = sample_anchors(len(windows), windows.shape[1], B, drafter.config.anchors, generator, windows.device)
-    logits, target_logits = packed_logits(drafter, windows, anchors)
-    return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
+    Bw = len(windows)
+    anchors = sample_anchors(Bw, windows.shape[1], B, drafter.config.anchors, generator, windows.device)
+    hidden, last = packed_hidden(drafter, windows, anchors)  # (Bw, A, B-1, D), (Bw, T, D)
+
+    def chunk_loss(h, last, windows, anchors):  # summed over a chunk's windows (checkpointed_chunks)
+        with torch.no_grad():
+            target_logits = None if temperature is None else drafter.target.logits(last)  # (b, T, V)
+        loss, stats = block_loss(drafter, windows, anchors, drafter.logits(h), target_logits, temperature)
+        return loss * len(windows), {k: v * len(windows) for k, v in stats.items()}
+
+    parts = checkpointed_chunks(chunk_loss, anchors.shape[1] * (B - 1), hidden, last, windows, anchors)
+    loss = sum(part for part, _ in parts) / Bw
+    return loss, {"ce": loss.detach(), **{k: sum(stats[k] for _, stats in parts) / Bw for k in ("acc", "tau_proxy")}}
 
 
 # ---- decoding

@@ -38,8 +38,16 @@ import torch.nn.functional as F
 from tinydiff.ar import check_prompt
 from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
-from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table
+from tinydiff.dflash import (
+    TARGET_RULES,
+    ExtraKVBlock,
+    check_drafter_config,
+    check_target,
+    checkpointed_chunks,
+    init_around,
+    target_dims,
+)
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
 from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
 from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, VOCAB_SIZE
@@ -122,11 +130,19 @@ class EagleHead(nn.Module):
         rows' keys/values past_k, past_v (B, H, S, D/H); mask: bool (T, S + T), True = may attend,
         or None (everything visible). Returns logits (B, T, V), hidden (B, T, D) (the next step's
         feature) and the rows' own k, v (B, H, T, D/H)."""
-        weight = self.target.embed.weight.detach()  # borrowed and frozen
-        x = torch.cat([self.embed_norm(F.embedding(tokens, weight)), self.feature_norm(features)], -1)  # (B, T, 2D)
+        h, k, v = self.hidden(tokens, features, pos, past_k, past_v, mask)
+        return self.logits(h), h, k, v
+
+    def hidden(self, tokens, features, pos, past_k, past_v, mask=None):
+        """`forward` without the head: hidden (B, T, D), k, v (training reads the logits a chunk at a time)."""
+        x = torch.cat([self.embed_norm(F.embedding(tokens, self.target.embed.weight.detach())),  # borrowed, frozen
+                       self.feature_norm(features)], -1)  # (B, T, 2D)
         cos, sin = (c[pos][None, None] for c in (self.rope_cos, self.rope_sin))  # (1, 1, T, D/H/2)
-        h, k, v = self.block(self.proj(x), cos, sin, past_k, past_v, mask)  # (B, T, D)
-        return F.linear(self.norm(h), weight), h, k, v  # (B, T, V): the target's tied head
+        return self.block(self.proj(x), cos, sin, past_k, past_v, mask)  # (B, T, D), k, v
+
+    def logits(self, h):
+        """The target's tied head on the head's hidden states h (..., D): (..., V)."""
+        return F.linear(self.norm(h), self.target.embed.weight.detach())
 
     def extend(self, cache: KVCache, tokens, hidden):
         """Append committed rows: tokens (1, T) are the tokens after the positions whose target hidden
@@ -154,23 +170,33 @@ def unroll_mask(T: int, step: int, device=None):
     return torch.cat([c <= r - step] + [(c == r - step + m) & (anchored | (m == step)) for m in range(1, step + 1)], 1)
 
 
-def unrolled_logits(head: EagleHead, windows, steps: int):
-    """The head unrolled `steps` steps on windows (Bw, T): its logits per step, steps x (Bw, T-1, V)
-    (row r predicts token r+2), and the target's logits (Bw, T, V), one frozen target forward."""
+def unrolled_hidden(head: EagleHead, windows, steps: int):
+    """The head unrolled `steps` steps on windows (Bw, T): its hidden states, (Bw, steps, T-1, D) (row r's
+    logits predict token r+2), and the target's last residual stream (Bw, T, D), one frozen target forward.
+    No logits: at 50,258 a row, eagle_loss reads them a chunk of rows at a time."""
     Bw, T = windows.shape
-    with torch.no_grad():
-        target_logits, hidden = head.target(windows, causal=True, hidden_layers=head.config.feature_layers)
-    tokens, pos = windows[:, 1:], torch.arange(1, T, device=windows.device)  # row r reads token r+1
+    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
+        _, hidden = head.target(windows, causal=True, head_from=T,
+                                hidden_layers=[*head.config.feature_layers, head.config.target_layers])
+    tokens, pos, last = windows[:, 1:], torch.arange(1, T, device=windows.device), hidden.pop()  # row r reads token r+1
     features = head.fused([h[:, :-1] for h in hidden])  # (Bw, T-1, D): row r's is position r's
     D, H = head.config.d_model, head.config.n_head
     past_k = past_v = features.new_zeros(Bw, H, 0, D // H)
     out = []
     for i in range(steps):
-        logits, h, k, v = head(tokens, features, pos, past_k, past_v, unroll_mask(T - 1, i, windows.device))
+        h, k, v = head.hidden(tokens, features, pos, past_k, past_v, unroll_mask(T - 1, i, windows.device))
         past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (Bw, H, (i+1)(T-1), D/H)
-        out.append(logits)
+        out.append(h)
         features = F.pad(h[:, :-1], (0, 0, 1, 0))  # row r's next feature: row r-1's hidden (row 0: none)
-    return out, target_logits
+    return torch.stack(out, 1), last  # (Bw, steps, T-1, D)
+
+
+def unrolled_logits(head: EagleHead, windows, steps: int):
+    """unrolled_hidden's logits: the head's per step, steps x (Bw, T-1, V), and the target's (Bw, T, V)."""
+    hidden, last = unrolled_hidden(head, windows, steps)
+    with torch.no_grad():
+        target_logits = head.target.logits(last)
+    return list(head.logits(hidden).unbind(1)), target_logits
 
 
 def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature: float = 1.0):
@@ -183,23 +209,34 @@ def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature
     one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
     (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
     row: the greedy tau at k = K if the target's picks were the data).
+    Memory: the logits of a few windows at a time (dflash.checkpointed_chunks), made again in the
+    backward, so the batch's (Bw, K, T-1, V) logits never exist at once.
     """
     K = head.config.steps_ahead if steps is None else steps
     if not isinstance(K, int) or K < 1:
         raise UserError(f"steps (unrolled draft steps) must be an integer >= 1, got {K!r}")
-    T = windows.shape[1]
+    Bw, T = windows.shape
     if T < K + 1:
         raise UserError(f"windows of {T} tokens are too short to unroll {K} steps; use windows of >= {K + 1}")
-    logits, target_logits = unrolled_logits(head, windows, K)
-    p = next_token_probs(target_logits[:, 1:], temperature)  # (Bw, T-1, V): the target's for token r+2
-    w = [head.config.step_decay ** i for i in range(K)]
-    loss = sum(wi * soft_ce(lg[:, i:] / temperature, p[:, i:]).mean() for i, (wi, lg) in enumerate(zip(w, logits)))
-    loss = loss / sum(w)
-    want = p.argmax(-1)  # (Bw, T-1)
-    correct = torch.stack([draftable(lg.detach()).argmax(-1) == want for lg in logits])  # (K, Bw, T-1)
+    hidden, last = unrolled_hidden(head, windows, K)  # (Bw, K, T-1, D), (Bw, T, D)
+    w = torch.tensor([head.config.step_decay ** i for i in range(K)], dtype=torch.float64)
+    rows = torch.arange(T - 1)
+    weight = torch.stack([(rows >= i) * wi / (w.sum() * Bw * (T - 1 - i)) for i, wi in enumerate(w)])  # (K, T-1)
+    weight = weight.to(windows.device, wide(hidden.dtype))  # row r >= i's share of step i's mean
+
+    def chunk_loss(hidden, last):  # a few windows' share of the loss (dflash.checkpointed_chunks)
+        with torch.no_grad():
+            p = next_token_probs(head.target.logits(last[:, 1:]), temperature)  # (b, T-1, V): for token r+2
+        logits = head.logits(hidden)  # (b, K, T-1, V)
+        loss = (soft_ce(logits / temperature, p[:, None]) * weight).sum()
+        return loss, draftable(logits.detach()).argmax(-1) == p[:, None].argmax(-1)  # (b, K, T-1)
+
+    parts = checkpointed_chunks(chunk_loss, K * (T - 1), hidden, last)
+    loss = sum(part for part, _ in parts)
+    correct = torch.cat([right for _, right in parts]).transpose(0, 1)  # (K, Bw, T-1)
     runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain
-    last = correct[-1, :, K - 1:].float().mean()  # step K-1's rows that have a committed row
-    return loss, {"ce": loss.detach(), "acc": correct[0].float().mean(), "acc_last": last,
+    acc_last = correct[-1, :, K - 1:].float().mean()  # step K-1's rows that have a committed row
+    return loss, {"ce": loss.detach(), "acc": correct[0].float().mean(), "acc_last": acc_last,
                   "tau_proxy": 1 + runs.cumprod(0).sum(0).float().mean()}
 
 

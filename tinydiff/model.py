@@ -309,5 +309,9 @@ class Transformer(nn.Module):
             x = x[:, head_at:head_at + 1]
         else:  # ... or each row's own (B,)
             x = x[torch.arange(B, device=x.device), head_at][:, None]
-        logits = F.linear(self.norm(x), self.embed.weight)  # (B, T - head_from or 1, V), tied head
+        logits = self.logits(x)  # (B, T - head_from or 1, V)
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
+
+    def logits(self, x):
+        """The tied head on residual streams x (..., D) after the last block: logits (..., V)."""
+        return F.linear(self.norm(x), self.embed.weight)
