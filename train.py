@@ -24,9 +24,11 @@ at the end, and on Ctrl-C or SIGTERM.
 import functools
 import math
 import os
+import re
 import sys
 import time
 from contextlib import closing, nullcontext
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -113,14 +115,18 @@ def evaluate(model, loss_fn, windows, batch_size: int, autocast) -> dict:
 
 
 def peak_memory(device: str) -> str:
-    """The run's peak so far, in words: what PyTorch reserved on a GPU, else the process's resident memory."""
+    """The run's peak so far, in words: what PyTorch reserved on a GPU, else this process's resident memory."""
     if device.startswith("cuda"):
         return f"peak GPU memory {torch.cuda.max_memory_reserved() / 1e9:.1f} GB reserved"
-    try:
-        import resource
-    except ImportError:  # Windows
-        return "peak memory not measured here"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+    status = Path("/proc/self/status")
+    if status.exists():  # Linux: this process's own peak (getrusage's would count a parent's, inherited by fork)
+        peak = int(re.search(r"VmHWM:\s+(\d+) kB", status.read_text()).group(1)) * 1024
+    else:
+        try:
+            import resource
+        except ImportError:  # Windows
+            return "peak memory not measured here"
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
     return f"peak resident memory {peak / 1e9:.1f} GB"
 
 
