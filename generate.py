@@ -60,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--speculative-config", help="vLLM-style JSON: method (draft_model or dflash), model, "
                    "num_speculative_tokens")
     p.add_argument("--steps", type=COUNT, help="diffusion: forwards in all (default: one token per step)")
-    p.add_argument("--block-length", type=COUNT, help="diffusion: blocks filled left to right (default 32, or "
-                   "--max-new-tokens if fewer)")
+    p.add_argument("--block-length", type=COUNT, help="diffusion: blocks filled left to right (default 32, or the "
+                   "largest size under it that divides --max-new-tokens)")
     p.add_argument("--threshold", type=MASS, help="diffusion: commit every position this confident (Fast-dLLM)")
     p.add_argument("--entropy-bound", type=NATS, help="diffusion: commit the most confident run whose entropies, "
                    "less the largest, sum to at most this many nats (EB-Sampler)")

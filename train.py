@@ -61,7 +61,10 @@ def parse_args(argv=None):
                    help="training precision (default: the resumed run's own, else auto: bf16 on a GPU with bf16 units, "
                         "fp16 with a gradient scaler on one without (T4, V100, P100), fp32 on a CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():  # else read only when it is needed
+        raise UserError(f"--cache-dir {args.cache_dir} is a file, not a folder; name a folder (made if missing)")
+    return args
 
 
 def lr_at(step: int, run: dict) -> float:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from entry_points import run_in_process
 
 import generate
 from tinydiff.io.checkpoint import save_checkpoint
+from tinydiff.io.cli import diffusion_lengths
 from tinydiff.model import Transformer
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
@@ -74,6 +76,16 @@ def test_diffusion_json_output(mdlm_ckpt, ckpt):
     assert json.loads(res.stdout)["stats"]["forwards"] == 2  # each block in one forward
     res = run("--ckpt", mdlm_ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 16, "--json")
     assert res.returncode == 0 and len(json.loads(res.stdout)["ids"]) == 16  # a block of 16, not 32: not refused
+
+
+def test_the_default_block_divides_the_canvas_the_user_asked_for():
+    """--block-length's default is 32, or the largest size under it that divides --max-new-tokens (the whole
+    canvas where none of 8..32 does): 40 new tokens were refused as "not a multiple of the block length 32",
+    a block the user never set. A block the user gives stays theirs (and is checked by the sampler)."""
+    model = SimpleNamespace(config=SimpleNamespace(context=256))
+    assert [diffusion_lengths(model, [1], n, None) for n in (64, 40, 16, 37, 100)] == \
+        [(64, 32), (40, 20), (16, 16), (37, 37), (100, 25)]
+    assert diffusion_lengths(model, [1] * 200, None, None) == (32, 32) and diffusion_lengths(model, [1], 40, 8) == (40, 8)
 
 
 def test_spec_equals_ar_at_temperature_zero(ckpt, tmp_path, tiny_config):

@@ -53,6 +53,10 @@ def test_what_would_fail_at_the_end_fails_first(story_file, tmp_path, capsys, mo
     for out, message in ((tmp_path / "a-file", "is a file, not a folder"),
                          (tmp_path / "a-file" / "run", "is not a writable folder")):
         assert message in refused(train.main, base(story_file, out), capsys, tmp_path)
+    # --cache-dir is read only when the data's folder is read-only: a file there failed nothing, silently
+    line = refused(train.main, [*base(story_file, tmp_path / "out"), "--cache-dir", str(tmp_path / "a-file")], capsys,
+                   tmp_path)
+    assert "--cache-dir" in line and "is a file, not a folder" in line
     monkeypatch.setattr("tinydiff.io.files.os.access", lambda path, mode: False)  # a read-only filesystem
     assert "is not a writable folder" in refused(train.main, base(story_file, tmp_path / "ro"), capsys, tmp_path)
 

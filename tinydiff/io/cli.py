@@ -134,10 +134,11 @@ def write_story(args, kinds, decode):
 
 def diffusion_lengths(model, prompt: list[int], max_new_tokens, block_length) -> tuple[int, int]:
     """A diffusion LM's canvas after the prompt, and its block: --max-new-tokens (default as many whole
-    blocks of 32 as fit, at most 128) and --block-length (default 32, or the canvas where that is shorter)."""
+    blocks of 32 as fit, at most 128) and --block-length (default 32, or the largest size under it that
+    divides the canvas; the whole canvas where none of 8..32 does: a default never refuses a length given)."""
     room = model.config.context - len(prompt)
     new = max_new_tokens or min(128, room - room % 32) or room
-    return new, block_length or min(32, new)
+    return new, block_length or next((b for b in range(min(32, new), 7, -1) if new % b == 0), new)
 
 
 def print_story(args, tokenizer, prompt: list[int], ids: list[int], stats: dict):
