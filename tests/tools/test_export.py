@@ -87,12 +87,21 @@ def test_bad_folders_and_exports_are_one_line(tmp_path):
              "another vocabulary": lambda d: edit(d, vocab_size=32000),
              "more layers than weights": lambda d: edit(d, num_hidden_layers=3),
              "garbage weights": lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64),
-             "an unknown kind": lambda d: ours(d, kind="gpt"), "no layers": lambda d: ours(d, n_layer=0)}
+             "an unknown kind": lambda d: ours(d, kind="gpt"), "no layers": lambda d: ours(d, n_layer=0),
+             # the Llama fields (what transformers reads) against our section: they loaded as if unsaid
+             "a million layers": lambda d: llama(d, num_hidden_layers=10 ** 6),
+             "another layer count": lambda d: llama(d, num_hidden_layers=3),
+             "a vocabulary of 1,000": lambda d: llama(d, vocab_size=1000),
+             "7 heads": lambda d: llama(d, num_attention_heads=7, num_key_value_heads=7), "no epsilon": lambda d: llama(d, rms_norm_eps=None),
+             "rms_norm_eps NaN": lambda d: llama(d, rms_norm_eps=float("nan"))}
     messages = {"no weights": "has no model.safetensors", "broken JSON": "not valid JSON",
                 "a foreign model": "neither a Llama nor a tinydiff export", "grouped-query attention": "grouped-query",
                 "another vocabulary": "vocabulary of 32,000", "more layers than weights": "missing model.layers.2",
                 "garbage weights": "not a readable safetensors file", "an unknown kind": "names no model kind",
-                "no layers": "not a model config this code reads"}
+                "no layers": "not a model config this code reads", "a million layers": "n_layer must be",
+                "another layer count": "disagree on n_layer",
+                "a vocabulary of 1,000": "disagree on vocab_size", "7 heads": "head_dim * heads != hidden_size",
+                "no epsilon": "norm_eps", "rms_norm_eps NaN": "norm_eps"}
     for case, damage in cases.items():
         broken = tmp_path / case.replace(" ", "-")
         broken.mkdir()
@@ -108,6 +117,12 @@ def edit(folder, **fields):
     """A Llama config.json from elsewhere (no tinydiff section), with `fields` changed."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("tinydiff")
+    (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+def llama(folder, **fields):
+    """config.json's Llama fields changed, its tinydiff section kept."""
+    config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | fields))
 
 

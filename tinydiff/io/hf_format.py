@@ -36,6 +36,9 @@ LAYER_NAMES = {  # ours -> HF's, inside block i
     "ffn_norm.weight": "post_attention_layernorm.weight"}
 
 
+LLAMA_FIELDS = ("vocab_size", "context", "n_layer", "n_head", "d_model", "d_ff", "rope_base", "norm_eps")  # both say
+
+
 def halves(n_head: int, head_dim: int):
     """Row order that turns our interleaved rotary pairs into HF's halves: HF row j of a head is our
     row 2j for j < D/2, our row 2(j - D/2) + 1 after. (n_head * head_dim,) indices."""
@@ -180,6 +183,12 @@ def read_folder(path) -> dict:
                 config = ModelConfig(**ours["config"])
             except (TypeError, UserError) as e:  # a field this code does not know, a value out of range
                 raise UserError(f"{path / CONFIG}: not a model config this code reads ({e})") from None
+            said = model_config_of(hf, path)  # what transformers builds from the same file: the same model
+            differ = [f for f in LLAMA_FIELDS if getattr(said, f) != getattr(config, f)]
+            if differ:
+                raise UserError(f"{path / CONFIG}: its Llama fields and its tinydiff section disagree on {differ[0]} "
+                                f"({getattr(said, differ[0])!r} against {getattr(config, differ[0])!r}), so "
+                                "transformers would build another model; export it again")
         if config.vocab_size != VOCAB_SIZE:
             raise UserError(f"{path}: a vocabulary of {config.vocab_size:,} ids, not the {VOCAB_SIZE:,} of "
                             f"tinydiff's tokenizer (GPT-2's 50,257 and MASK = {MASK}); it cannot read our token ids")
