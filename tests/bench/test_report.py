@@ -20,6 +20,7 @@ from tinydiff.bench.report_models import ROLES
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
+from tinydiff.io.files import claim_run_folder
 from tinydiff.model import ModelConfig, Transformer
 
 HAND = "\nEvery number here was measured.\n\n## An older section\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
@@ -153,6 +154,16 @@ def test_user_mistakes_are_one_line_errors_before_any_training(flags, message, t
     with pytest.raises(UserError, match=message) as error:
         bench.main([*flags, "--device", "cpu"])
     assert "\n" not in str(error.value)
+    assert not Path("out").exists()
+
+
+def test_a_report_into_a_folder_another_report_is_writing_is_refused_before_any_training(tmp_path, monkeypatch):
+    """RESULTS.md is read at the start and spliced at the end: two reports at once would lose one's table."""
+    monkeypatch.chdir(tmp_path)
+    with claim_run_folder(Path("busy"), "--report"):  # the first report, alive
+        with pytest.raises(UserError, match=r"another run \(PID \d+\) is using busy; .* another --report"):
+            bench.main(["--report", "busy", "--device", "cpu"])
+        assert [p.name for p in Path("busy").iterdir()] == [".lock"]  # the first one's lock alone
     assert not Path("out").exists()
 
 

@@ -13,6 +13,7 @@ from entry_points import last_line, run_in_process
 from stats_helpers import perturbed, random_model
 
 from tinydiff.ar import ar_generate
+from tinydiff.io import hf_format
 from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.speculative import speculative_generate
@@ -111,6 +112,37 @@ def test_bad_folders_and_exports_are_one_line(tmp_path):
         with pytest.raises(Exception) as caught:
             load_model(broken)
         assert type(caught.value).__name__ == "UserError" and messages[case] in str(caught.value), case
+
+
+def test_an_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The folder appears at once, renamed from a new one beside it: an export stopped at its last file
+    (Ctrl-C) leaves no --out and nothing else; one that finds --out filled meanwhile (another export) is
+    refused in one line and leaves those files as they were."""
+    torch.manual_seed(0)
+    model = Transformer(TARGET).eval()
+    save_checkpoint(tmp_path / "ar.pt", kind="ar", config=model.config, model=model)
+    real = hf_format.write_atomic
+
+    def interrupted(path, write):
+        if path.name == "README.md":
+            raise KeyboardInterrupt
+        real(path, write)
+    monkeypatch.setattr(hf_format, "write_atomic", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export.main(["--ckpt", str(tmp_path / "ar.pt"), "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar.pt"]
+
+    def raced(path, write):  # another export fills --out while this one writes
+        if path.name == "README.md" and not (tmp_path / "out").exists():
+            (tmp_path / "out").mkdir()
+            (tmp_path / "out" / "config.json").write_text("theirs")
+        real(path, write)
+    monkeypatch.setattr(hf_format, "write_atomic", raced)
+    code, message = run("--ckpt", tmp_path / "ar.pt", "--out", tmp_path / "out")
+    assert code == 1 and "was filled while this export ran" in message
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["config.json"]
+    assert (tmp_path / "out" / "config.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar.pt", "out"]
 
 
 def edit(folder, **fields):

@@ -41,6 +41,7 @@ from tinydiff.bench.temperatures import (
     temperature_section,
 )
 from tinydiff.checks import UserError
+from tinydiff.io.files import claim_run_folder, write_atomic
 from tinydiff.model import PRESETS
 from tinydiff.sampler import generate
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
@@ -213,7 +214,12 @@ def write_report(args, methods: list[str]) -> dict:
     folder = Path(args.report)
     if not folder.resolve().parent.is_dir() or folder.is_file():
         raise UserError(f"--report {folder}: pass a folder whose parent exists (RESULTS.md and plots/ go in it)")
-    folder.mkdir(exist_ok=True)
+    with claim_run_folder(folder, "--report"):  # one report at a time: RESULTS.md is read first, spliced last
+        return measure_and_write(args, methods, plan, folder)
+
+
+def measure_and_write(args, methods: list[str], plan: dict, folder: Path) -> dict:
+    """write_report's work, in its folder while it holds the lock."""
     results = folder / "RESULTS.md"
     old = results.read_text(encoding="utf-8") if results.exists() else None
     splice(old, "", results)  # bad markers fail now, not after the training
@@ -253,7 +259,8 @@ def write_report(args, methods: list[str]) -> dict:
     tmp.replace(results)  # atomic: an interrupted write never leaves half a file
     report["plots"] = [str(p) for p in plot_paths]
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        text = json.dumps(report, indent=2)
+        write_atomic(Path(args.json), lambda f: f.write(text.encode("utf-8")))
     print(body)
     print(f"wrote {results}" + (f" and {len(plot_paths)} plots in {folder / 'plots'}" if plot_paths else ""))
     return report

@@ -94,25 +94,25 @@ def check_output(path, what: str):
         raise UserError(f"{what} {path}: its folder {folder} is not writable; pass another path")
 
 
-def check_run_folder(out: Path):
-    """Before any work: `out` is (or can become) a writable folder."""
+def check_run_folder(out: Path, flag: str = "--out"):
+    """Before any work: `out` (given as `flag`) is (or can become) a writable folder."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; pass a folder for the run")
+        raise UserError(f"{flag} {out} is a file, not a folder; pass a folder for the run")
     existing = next(p for p in [out, *out.resolve().parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: {existing} is not a writable folder; pass another --out")
+        raise UserError(f"{flag} {out}: {existing} is not a writable folder; pass another {flag}")
 
 
 @contextmanager
-def claim_run_folder(out: Path):
+def claim_run_folder(out: Path, flag: str = "--out"):
     """Create `out` and hold its lock while the run lives; a second run into it is refused."""
-    check_run_folder(out)
+    check_run_folder(out, flag)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "a+")
     except OSError as e:
-        raise UserError(f"--out {out}: cannot create the run folder ({e.strerror}); pass another --out") from None
+        raise UserError(f"{flag} {out}: cannot create the run folder ({e.strerror}); pass another {flag}") from None
     try:
         if fcntl is not None:
             try:
@@ -121,7 +121,7 @@ def claim_run_folder(out: Path):
                 lock.seek(0)
                 owner = lock.read().strip() or "unknown"
                 raise UserError(f"another run (PID {owner}) is using {out}; wait for it to end, or pass "
-                                "another --out") from None
+                                f"another {flag}") from None
             lock.seek(0)
             lock.truncate()
             lock.write(str(os.getpid()))

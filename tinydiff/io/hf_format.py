@@ -15,6 +15,9 @@ checkpoint.load_checkpoint returns for a .pt file, so `--ckpt DIR` works whereve
 Leaves out: GQA, rope scaling, untied heads, sharded weight files (all refused with one line).
 """
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,12 +127,13 @@ def check_layout(kind: str, layout: str):
 
 def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
     """Write a checkpoint's model ({kind, config, model}) as config.json and model.safetensors, and
-    `extra_files` ({name: text}), into `out`, each atomically. layout "llama" (AR only) or "tinydiff"."""
+    `extra_files` ({name: text}), into `out`, all at once: into a new folder beside it, renamed to `out`
+    at the end (onto nothing or an empty folder only), so a stopped export leaves no half folder and an
+    export that finds `out` filled meanwhile is refused. layout "llama" (AR only) or "tinydiff"."""
     from safetensors.torch import save
     kind, weights = ckpt["kind"], ckpt["model"]
     check_layout(kind, layout)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     ours = {"format": FORMAT, "version": VERSION, "kind": kind, "config": ckpt["config"]}
     if layout == "llama":
         config = ModelConfig(**ckpt["config"])
@@ -138,10 +142,19 @@ def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
         hf = {"model_type": f"tinydiff-{kind}", "tinydiff": ours}
         tensors = {name: w.contiguous() for name, w in weights.items()}
     blob = save(tensors, metadata={"format": "pt"})
-    write_atomic(out / WEIGHTS, lambda f: f.write(blob))
-    files = {CONFIG: json.dumps(hf, indent=2) + "\n", **(extra_files or {})}
-    for name, text in files.items():
-        write_atomic(out / name, lambda f, text=text: f.write(text.encode("utf-8")))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        write_atomic(partial / WEIGHTS, lambda f: f.write(blob))
+        for name, text in {CONFIG: json.dumps(hf, indent=2) + "\n", **(extra_files or {})}.items():
+            write_atomic(partial / name, lambda f, text=text: f.write(text.encode("utf-8")))
+        try:
+            os.rename(partial, out)
+        except OSError:  # out holds files now: another export's, or the user's
+            raise UserError(f"--out {out} was filled while this export ran (another export?); it is left as it "
+                            "is: pass a new folder") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already once renamed
 
 
 def read_folder(path) -> dict:
