@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ import train
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint
 from tinydiff.io.tokens import prepare_tokens
+from tinydiff.tokenizer import EOT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,6 +239,7 @@ def test_dflash_drafter_trains_against_a_frozen_target_and_resumes(story_file, t
     # validated on the target's text as well, written from the validation split's openings
     val_text = (tmp_path / "full" / "regenerated-val.u16").read_bytes()
     assert val_text and val_text != (tmp_path / "full" / "regenerated.u16").read_bytes()
+    assert np.frombuffer(val_text, np.uint16).tolist().count(EOT) == 3 + 1  # 3 stories as asked, not 16 (+ the end)
 
     interrupt_at(monkeypatch, "dflash", 3, lambda: os.kill(os.getpid(), signal.SIGINT))
     train.main([*common, "--feature-layers", "0,1", "--out", str(tmp_path / "cut")])

@@ -333,7 +333,8 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
     student kind's own loss, for the anchor."""
     config = DistillConfig(**{key: run[flag] for key, flag in FLAGS.items() if run.get(flag) is not None})
     teacher, _ = load_teacher(run["distill"], run["model"], device)
-    train = load_or_write(out / "trajectories.npy", teacher, train_tokens, config, run["seed"])
+    train = load_or_write(out / "trajectories.npy", teacher, train_tokens, config, run["seed"],
+                          "teacher (training)")
     rows = run["eval_batches"] * run["batch_size"]
     # the validation batches (or a tenth of the stories), never more stories than the run trains on: a
     # request for 4 writes 4 more, not 256

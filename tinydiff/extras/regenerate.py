@@ -111,7 +111,7 @@ def continue_diffusion_batch(target, prompts: list[list[int]], temperature: floa
 
 
 def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature: float = 0.0,
-               batch_size: int = 32, sampled_openings: bool = False) -> np.ndarray:
+               batch_size: int = 32, sampled_openings: bool = False, desc: str = "regenerating") -> np.ndarray:
     """uint16 token array: n stories, each EOT + an opening from `tokens` (or sampled by the target)
     + the target's continuation.
 
@@ -125,7 +125,7 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     prompts = [[EOT]] * n if sampled_openings else [[EOT] + p for p in story_openings(tokens, n, opening, seed)]
     sample_first = opening if sampled_openings else 0
     out = []
-    bar = progress.bar(total=n, desc="regenerating", unit="story")
+    bar = progress.bar(total=n, desc=desc, unit="story")
     write = continue_batch if target.config.causal else continue_diffusion_batch
     for i in range(0, n, batch_size):
         chunk = prompts[i:i + batch_size]
@@ -164,15 +164,16 @@ def trim_loops(text: np.ndarray, ngram: int = 8, keep: int = 32) -> np.ndarray:
 
 def validation_stories(n: int) -> int:
     """Stories the target writes from the validation split's openings for a run that trains on n:
-    a drafter is validated on what it will be asked to guess, not on the corpus."""
-    return max(16, n // 10)
+    a drafter is validated on what it will be asked to guess, not on the corpus. A tenth of n, at least 16,
+    and never more than n: a small request stays small."""
+    return min(n, max(16, n // 10))
 
 
 def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings: bool = False,
-                       temperature: float = 0.0) -> np.ndarray:
-    """The regenerated text cached at `path` (written atomically), made once per run."""
+                       temperature: float = 0.0, desc: str = "regenerating") -> np.ndarray:
+    """The regenerated text cached at `path` (written atomically), made once per run; `desc` names its bar."""
     if os.path.exists(path):
         return np.fromfile(path, dtype=np.uint16)
-    text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings)
+    text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings, desc=desc)
     write_atomic(path, text.tofile)
     return text

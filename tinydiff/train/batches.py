@@ -65,11 +65,12 @@ def training_data(run: dict, model, out, token_paths, device):
         from tinydiff.extras.regenerate import FILES, load_or_regenerate, trim_loops, validation_stories
         train_file, val_file = (out / name for name in FILES)
         text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
-                                  run["openings"] == "target", temperature or 0.0)
+                                  run["openings"] == "target", temperature or 0.0, "target writes training stories")
         train_tokens = trim_loops(text)
         print(f"regenerated text: {len(text):,} tokens, {len(train_tokens):,} with its loops cut")
         val_tokens = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]),
-                                        run["seed"], temperature=temperature or 0.0)
+                                        run["seed"], temperature=temperature or 0.0,
+                                        desc="target writes validation stories")
     if temperature is not None and (run["model"] != "ar" or target.config.causal):  # labels: the target's
         # distribution at the temperature it will be sampled at. A diffusion target's left-to-right
         # conditionals would cost a forward per position: its sampled stories are the labels.
