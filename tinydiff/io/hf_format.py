@@ -17,7 +17,6 @@ Leaves out: GQA, rope scaling, untied heads, sharded weight files (all refused w
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,8 +141,9 @@ def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
         hf = {"model_type": f"tinydiff-{kind}", "tinydiff": ours}
         tensors = {name: w.contiguous() for name, w in weights.items()}
     blob = save(tensors, metadata={"format": "pt"})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"  # a folder's mode, as out.mkdir would give
+    shutil.rmtree(partial, ignore_errors=True)  # a killed export's, whose PID this process now has
+    partial.mkdir(parents=True)
     try:
         write_atomic(partial / WEIGHTS, lambda f: f.write(blob))
         for name, text in {CONFIG: json.dumps(hf, indent=2) + "\n", **(extra_files or {})}.items():
