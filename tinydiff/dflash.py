@@ -32,17 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import (
-    RULES,
-    Block,
-    KVCache,
-    ModelConfig,
-    RMSNorm,
-    Transformer,
-    apply_rope,
-    rope_table,
-    wide,
-)
+from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
 from tinydiff.sampling import check_warp_args, next_token_probs, sample, tempered_ce
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE

@@ -35,18 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinydiff import dflash
 from tinydiff.ar import check_prompt
 from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
-from tinydiff.dflash import (
-    TARGET_RULES,
-    ExtraKVBlock,
-    check_drafter_config,
-    check_target,
-    checkpointed_chunks,
-    init_around,
-    target_dims,
-)
+from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
 from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
 from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
 from tinydiff.speculative import Tally, cut_at_stop, verify
@@ -231,7 +224,7 @@ def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature
         loss = (soft_ce(logits / temperature, p[:, None]) * weight).sum()
         return loss, draftable(logits.detach()).argmax(-1) == p[:, None].argmax(-1)  # (b, K, T-1)
 
-    parts = checkpointed_chunks(chunk_loss, K * (T - 1), hidden, last)
+    parts = dflash.checkpointed_chunks(chunk_loss, K * (T - 1), hidden, last)
     loss = sum(part for part, _ in parts)
     correct = torch.cat([right for _, right in parts]).transpose(0, 1)  # (K, Bw, T-1)
     runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain
