@@ -187,15 +187,27 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
              data_id, ranks)
 
 
+def out_of_memory(run: dict, device: str, out, saved) -> str:
+    """What to do when a step does not fit: most of a step's memory is its batch's activations."""
+    B = run["batch_size"]
+    fix = f"pass --batch-size {B // 2}" if B > 1 else "one window does not fit: pass a smaller --preset or --context"
+    kept = f"{out / 'ckpt.pt'} holds step {saved}" if saved else "nothing was written"
+    return f"out of memory on {device} at --batch-size {B}: {fix} ({kept})"
+
+
 def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out, ckpt_every: int,
          device: str, data_id: str, ranks: Ranks):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     tokenizer, parameters = Tokenizer(), [p for p in model.parameters()]
 
+    saved = step if step else None  # the step OUT/ckpt.pt holds
+
     def save():
+        nonlocal saved
         if not ranks.main:
             return
+        saved = step
         rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
         save_checkpoint(out / "ckpt.pt", kind=run["model"], config=model.config, model=model,
                         optimizer=optimizer.state_dict(), precision=precision.state_dict(), step=step, rng=rng,
@@ -213,10 +225,13 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
                 group["lr"] = lr
             windows = ranks.share(draw(step))  # batch `step` of the whole run; this rank's rows of it
             noise = torch.Generator(device).manual_seed(run["seed"] * 998_244_353 + step)  # step's noise: resumable
-            with precision.autocast:
-                loss, _ = loss_fn(model, windows, noise)  # forward and loss
-            optimizer.zero_grad(set_to_none=True)
-            backward_and_step(loss, optimizer, parameters, precision, run["grad_clip"], ranks)
+            try:
+                with precision.autocast:
+                    loss, _ = loss_fn(model, windows, noise)  # forward and loss
+                optimizer.zero_grad(set_to_none=True)
+                backward_and_step(loss, optimizer, parameters, precision, run["grad_clip"], ranks)
+            except torch.OutOfMemoryError:
+                raise UserError(out_of_memory(run, device, out, saved)) from None
             step += 1
             steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
             tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step

@@ -190,12 +190,29 @@ def test_moe_expert_count_and_top_k_are_flags(story_file, tmp_path):
         train.main(argv(story_file, tmp_path / "c", "--experts", "2", "--top-k", "3", kind="mdlm-moe"))
 
 
+def test_a_step_that_does_not_fit_is_one_line_that_names_the_batch_that_would(story_file, tmp_path, monkeypatch):
+    """torch's OutOfMemoryError (a GPU's; a CPU's where the allocator refuses) in a step: the flag that fits,
+    and where the last checkpoint is; the checkpoint kept as it was."""
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.07 GiB")
+    interrupt_at(monkeypatch, "mdlm", 1, oom)
+    with pytest.raises(UserError, match=r"^out of memory on cpu at --batch-size 2: pass --batch-size 1 "
+                                        r"\(nothing was written\)$"):
+        train.main(argv(story_file, tmp_path / "first"))
+    assert not (tmp_path / "first" / "ckpt.pt").exists()
+    monkeypatch.undo()
+    interrupt_at(monkeypatch, "mdlm", 4, oom)  # after the checkpoint of step 2 (--ckpt-every 2)
+    with pytest.raises(UserError, match=r"at --batch-size 1: one window does not fit: pass a smaller --preset or "
+                                        r"--context \(.*ckpt.pt holds step 2\)$"):
+        train.main([*argv(story_file, tmp_path / "later"), "--batch-size", "1"])
+    assert load_checkpoint(tmp_path / "later" / "ckpt.pt")["step"] == 2
+
+
 def test_noise_block_trains_block_diffusion_and_init_keeps_it(story_file, tmp_path, monkeypatch):
-    import tinydiff.dmoe
-    calls = []
-    real = tinydiff.dmoe.diffusion_loss
-    monkeypatch.setattr(tinydiff.dmoe, "diffusion_loss",
-                        lambda m, *a: calls.append(m.config.noise_block) or real(m, *a))  # records the block used
+    from tinydiff.train import fused_loss
+    calls, block, mdlm = [], fused_loss.block_diffusion_loss, fused_loss.mdlm_loss  # record the block used, 0: MDLM
+    monkeypatch.setattr(fused_loss, "block_diffusion_loss", lambda m, x, b, *a: calls.append(b) or block(m, x, b, *a))
+    monkeypatch.setattr(fused_loss, "mdlm_loss", lambda m, *a: calls.append(0) or mdlm(m, *a))
     train.main(argv(story_file, tmp_path / "bd", "--noise-block", "8", "--max-steps", "2", kind="mdlm-moe"))
     assert load_checkpoint(tmp_path / "bd" / "ckpt.pt")["config"]["noise_block"] == 8 and set(calls) == {8}
     init = ["--init", str(tmp_path / "bd" / "ckpt.pt"), "--max-steps", "1"]

@@ -307,13 +307,13 @@ def balance_loss(model):
     return sum(layer.balance_loss for layer in moe_layers(model))
 
 
-def mdlm_moe_loss(model, x, generator=None):
-    """diffusion_loss (MDLM's, or block diffusion's) + balance_coef * balance_loss(model); (loss, stats).
+def mdlm_moe_loss(model, x, generator=None, base=diffusion_loss):
+    """base (diffusion_loss: MDLM's, or block diffusion's) + balance_coef * balance_loss(model); (loss, stats).
 
     stats: elbo and masked_ce as in mdlm_loss (the bound excludes the balance term), and balance:
     the Switch term per layer (mean over layers; 1 = perfectly balanced, E = collapsed).
     """
-    loss, stats = diffusion_loss(model, x, generator)
+    loss, stats = base(model, x, generator)
     balance = balance_loss(model)
     stats["balance"] = balance.detach() / len(moe_layers(model))
     return loss + model.config.balance_coef * balance, stats

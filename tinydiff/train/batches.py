@@ -9,25 +9,25 @@ and data (tinydiff/extras/) are imported only by the runs that use them.
 """
 import functools
 
-from tinydiff.ar import ar_loss
 from tinydiff.checks import UserError
 from tinydiff.data import eval_windows, load_tokens, sample_windows
 from tinydiff.dflash import dflash_loss
-from tinydiff.diffusion import diffusion_loss
 from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.eagle3 import eagle_loss
 from tinydiff.io.tokens import tokens_digest
+from tinydiff.train.fused_loss import ar_loss, diffusion_loss
 from tinydiff.train.run_config import DRAFTERS
 from tinydiff.train.run_model import load_target
 
 
 def ar_moe_loss(model, windows, generator=None):
     from tinydiff.extras.ar_moe import ar_moe_loss as loss  # the AR MoE is a variant (extras/ar_moe.py)
-    return loss(model, windows, generator)
+    return loss(model, windows, generator, base=ar_loss)
 
 
 # kind -> (loss(model, windows, generator) -> (loss, stats), extra tokens per window beyond the context)
-OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1), "mdlm-moe": (mdlm_moe_loss, 0),
+OBJECTIVES = {"mdlm": (diffusion_loss, 0), "ar": (ar_loss, 1),
+              "mdlm-moe": (functools.partial(mdlm_moe_loss, base=diffusion_loss), 0),
               "ar-moe": (ar_moe_loss, 1), "dflash": (dflash_loss, 0), "eagle3": (eagle_loss, 0)}
 
 
