@@ -2,6 +2,7 @@
 a diffusion LM's bound above its exact NLL, and one-line errors."""
 import itertools
 import math
+import os
 from dataclasses import asdict
 
 import pytest
@@ -86,7 +87,12 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, story_file):
     ar, mdlm = checkpoints
     (tmp_path / "empty.txt").write_text("\n<|endoftext|>\n")
     (tmp_path / "short.txt").write_text("The end.\n<|endoftext|>\n")
-    cases = [(("--ckpt", ar, "--data", tmp_path / "missing.txt"), "evaluation file"),
+    os.mkfifo(tmp_path / "fifo")  # read, it would wait for a writer forever
+    (tmp_path / "utf16.txt").write_text("Once upon a time.\n<|endoftext|>\n", encoding="utf-16")
+    cases = [(("--ckpt", ar, "--data", tmp_path / "missing.txt"), "does not exist"),
+             (("--ckpt", ar, "--data", tmp_path), "is a directory"),
+             (("--ckpt", ar, "--data", tmp_path / "fifo"), "not a regular file"),
+             (("--ckpt", ar, "--data", tmp_path / "utf16.txt"), "UTF-16"),
              (("--ckpt", ar, "--data", tmp_path / "empty.txt"), "holds no stories"),
              (("--ckpt", ar, "--data", tmp_path / "short.txt"), "less than one 32-token window"),
              (("--ckpt", ar, "--data", story_file, "--judge", mdlm), "needs ar"),

@@ -1,11 +1,18 @@
-"""Spec: the measuring tools (`python -m tinydiff.bench`, `python -m tinydiff.bench.quality`) under careless
-and hostile input: every number checked at the command line, every output path before the minutes
-of work that end in writing it; each refusal one `error:` line that writes nothing."""
+"""Spec: the tools around a model (`python -m tinydiff.bench`, `.bench.quality`, `.tools.eval`, `.tools.quantize`,
+`.tools.export`) under careless and hostile input: every number checked at the command line, every output
+path before the minutes of work that end in writing it, every damaged or tampered checkpoint (and a FIFO
+named as one) refused by each tool that reads one; each refusal one `error:` line that writes nothing."""
+import os
+
 import pytest
-from hostile import NON_FINITE, refused
+import torch
+from hostile import NON_FINITE, refused, tampered_checkpoints
 
 from tinydiff.bench import quality
 from tinydiff.bench import table as bench
+from tinydiff.model import ModelConfig, Transformer
+from tinydiff.tools import eval as evaluate
+from tinydiff.tools import export, quantize
 
 BENCH = {"--entropy-bound": ["-1"], "--new-tokens": ["0", "-1", "1.5"], "--prompts": ["0", "-2"],
          "--temperature": ["-1", "1e-30", "1e9"], "--seed": ["-1", str(2**64)]}
@@ -13,6 +20,9 @@ QUALITY = {"--route-guard": ["0"], "--route-threshold": ["0", "2"], "--route-mas
            "--samples": ["0", "-1", "many"], "--gen-length": ["0"], "--block-length": ["0"],
            "--temperature": ["-1", "1e-30"], "--threshold": ["0", "1.5"], "--entropy-bound": ["-1"],
            "--revise": ["-1"], "--thresholds": ["0.9,0", "0.9,x", ","], "--entropy-bounds": ["1,-1", ""]}
+EVAL = {"--mc": ["0", "1", "-1", "1.5", "10001"], "--batch-size": ["0", "-1", "1.5"], "--samples": ["0", "x"],
+        "--gen-length": ["0"], "--block-length": ["0", "-4"]}
+QUANTIZE = {"--block-size": ["0", "1", "4097", "1.5"]}
 
 
 def cases(table):
@@ -30,6 +40,53 @@ def test_the_quality_tool_refuses_every_bad_number(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     line = refused(quality.main, ["--judge", "j.pt", "--ar", "a.pt", flag, value], capsys, tmp_path)
     assert f"argument {flag}:" in line
+
+
+@pytest.mark.parametrize("flag, value", cases(EVAL))
+def test_eval_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
+    monkeypatch.chdir(tmp_path)
+    assert f"argument {flag}:" in refused(evaluate.main, ["--ckpt", "m.pt", flag, value], capsys, tmp_path)
+
+
+@pytest.mark.parametrize("flag, value", cases(QUANTIZE))
+def test_quantize_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
+    monkeypatch.chdir(tmp_path)
+    line = refused(quantize.main, ["--ckpt", "m.pt", "--out", "q.pt", flag, value], capsys, tmp_path)
+    assert f"argument {flag}:" in line
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """name -> a checkpoint damaged one way (hostile.tampered_checkpoints), and a FIFO where a file should be."""
+    folder = tmp_path_factory.mktemp("damaged")
+    config = ModelConfig(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64)
+    torch.manual_seed(0)
+    paths = tampered_checkpoints(folder / "bad", Transformer(config).eval(), config)
+    os.mkfifo(folder / "fifo")  # a reader that opened it would wait for a writer forever
+    return {**paths, "a fifo": folder / "fifo"}
+
+
+TOOLS = {"eval": lambda ckpt, story: (evaluate.main, ["--ckpt", ckpt, "--data", story]),
+         "quantize": lambda ckpt, story: (quantize.main, ["--ckpt", ckpt, "--out", "q.pt"]),
+         "export": lambda ckpt, story: (export.main, ["--ckpt", ckpt, "--out", "hf"]),
+         "bench": lambda ckpt, story: (bench.main, ["--ckpt", ckpt, "--methods", "ar", "--prompts", "1"]),
+         "quality": lambda ckpt, story: (quality.main, ["--judge", ckpt, "--ar", ckpt, "--samples", "1"])}
+DAMAGE = ["huge n_layer", "n_head 0", "string size", "float size", "norm_eps -1", "other vocabulary", "wrong shape",
+          "missing weights", "missing config", "unknown kind", "no kind", "negative step", "NaN weights",
+          "config a list", "weights not tensors", "code inside", "plain pickle", "truncated", "empty", "a folder",
+          "a fifo"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_refuses_every_damaged_checkpoint_and_runs_no_code(tmp_path, capsys, monkeypatch, damaged,
+                                                                      story_file, tool):
+    """(export wrote a folder from a checkpoint whose weights did not fit its config before 2026-12-06.)"""
+    assert set(DAMAGE) == set(damaged)
+    monkeypatch.chdir(tmp_path)
+    for name in DAMAGE:
+        main, argv = TOOLS[tool](damaged[name], story_file)
+        refused(main, argv, capsys, tmp_path)
+    assert not (tmp_path / "pwned.txt").exists()
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -116,19 +116,25 @@ def _write_stories(f, tok: Tokenizer, chunks) -> array:
 
 # ---- a local TinyStories-train.txt-format file
 
-def _prepare_local(data, cache_dir: Path) -> tuple[Path, Path]:
+def text_file(data) -> Path:
+    """The regular file --data names, resolved: a missing path, a folder, a pipe or a device is one line."""
     src = Path(data).expanduser()
     if not src.exists():
         raise UserError(f"data file {data} does not exist; pass --data with a TinyStories-train.txt"
                         "-format text file, or leave --data out to download TinyStories")
     if src.is_dir():
         raise UserError(f"--data {data} is a directory; pass the text file inside it "
-                        f"(TinyStories-train.txt format: stories separated by {SEPARATOR} lines)")
+                        f"(TinyStories format: stories separated by {SEPARATOR} lines)")
     src = src.resolve()
-    st = src.stat()
-    if not stat.S_ISREG(st.st_mode):  # a FIFO (/dev/stdin) would block, /dev/zero never end
+    if not stat.S_ISREG(src.stat().st_mode):  # a FIFO (/dev/stdin) would block, /dev/zero never end
         raise UserError(f"--data {data} is not a regular file (a pipe, a device or a socket); save the "
                         "stories to a text file and pass that")
+    return src
+
+
+def _prepare_local(data, cache_dir: Path) -> tuple[Path, Path]:
+    src = text_file(data)
+    st = src.stat()
     expected = {"format": FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     digest = hashlib.sha256(str(src).encode()).hexdigest()[:10]
     homes = [_cache_paths(src.parent, src.name + "."),

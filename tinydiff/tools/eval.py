@@ -29,7 +29,7 @@ from tinydiff.diffusion import diffusion_elbo, scored_tokens
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
 from tinydiff.io.cli import add_device, check_device, make_parser, run_main
 from tinydiff.io.files import check_output, write_atomic
-from tinydiff.io.tokens import SEPARATOR, read_stories
+from tinydiff.io.tokens import SEPARATOR, read_stories, text_file
 from tinydiff.model import wide
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -72,10 +72,7 @@ def pinned_stories(data: str | None) -> list[str]:
             raise UserError(f"could not download TinyStories' validation split ({type(e).__name__}); pass --data "
                             "FILE (here: ../shared/data/tinystories-valid-1000.txt)") from None
         return [s.strip() for s in rows["text"] if s.strip()]
-    path = Path(data)
-    if not path.is_file():
-        raise UserError(f"evaluation file {data} not found; pass a TinyStories-format file, e.g. "
-                        "../shared/data/tinystories-valid-1000.txt")
+    path = text_file(data)  # e.g. ../shared/data/tinystories-valid-1000.txt
     stories = []
     for chunk in read_stories(path, data, tqdm(disable=True)):
         stories += chunk

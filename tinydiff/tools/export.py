@@ -15,12 +15,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from tinydiff.checks import UserError
-from tinydiff.io.checkpoint import config_from, load_checkpoint
+from tinydiff.io.checkpoint import load_checkpoint, model_from
 from tinydiff.io.cli import make_parser, run_main
 from tinydiff.io.hf_format import CONFIG, LLAMA_KINDS, WEIGHTS, check_layout, write_folder
 from tinydiff.tokenizer import EOT, MASK
 from tinydiff.tools.hf_tokenizer import MASK_TOKEN, tokenizer_files
-from tinydiff.train.run_config import RunConfig, flag, migrate
+from tinydiff.train.run_config import DRAFTERS, RunConfig, flag, migrate
 
 LAYOUTS = ("auto", "llama", "tinydiff")
 WHAT = {"ar": "an autoregressive (causal) language model", "mdlm": "a masked-diffusion language model (MDLM)",
@@ -88,8 +88,8 @@ def main(argv=None):
     kind = ckpt["kind"]
     layout = ("llama" if kind in LLAMA_KINDS else "tinydiff") if args.layout == "auto" else args.layout
     check_layout(kind, layout)  # before any file is built
-    if kind in LLAMA_KINDS:
-        config_from(ckpt, args.ckpt)  # its config is one our Transformer reads, before any file is written
+    if kind not in DRAFTERS:  # its config one our models read, its weights the ones it builds: before any file
+        model_from(ckpt, args.ckpt)
     context = ckpt["config"].get("context", 256)
     files = tokenizer_files(context)
     params = sum(t.numel() for t in ckpt["model"].values())
