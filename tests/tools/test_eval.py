@@ -98,7 +98,11 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, story_file):
              (("--ckpt", ar, "--data", story_file, "--judge", mdlm), "needs ar"),
              (("--ckpt", mdlm, "--data", story_file, "--mc", 1), "--mc"),
              (("--ckpt", mdlm, "--data", story_file, "--judge", ar, "--gen-length", 6, "--block-length", 4), "multiple"),
-             (("--ckpt", ar, "--data", story_file, "--judge", ar, "--gen-length", 32), "at most 31")]
+             (("--ckpt", ar, "--data", story_file, "--judge", ar, "--gen-length", 32), "at most 31"),
+             (("--ckpt", ar, "--data", story_file, "--samples", 4), "--samples sets the judged stories"),  # no judge
+             (("--ckpt", mdlm, "--data", story_file, "--block-length", 4), "only --judge writes"),
+             (("--ckpt", ar, "--data", story_file, "--mc", 8), "--mc applies to a diffusion LM"),  # AR: exact
+             (("--ckpt", ar, "--data", story_file, "--judge", ar, "--block-length", 4), "--block-length applies to")]
     for args, message in cases:
         code, _, line = run(*args)
         assert code != 0 and message in line, (args, line)
@@ -106,7 +110,7 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, story_file):
 
 def test_the_judge_adds_generative_perplexity_and_distinct_2(checkpoints, story_file):
     ar, mdlm = checkpoints
-    for ckpt in (ar, mdlm):
+    for ckpt, block in ((ar, ()), (mdlm, ("--block-length", 4))):  # an AR model's stories have no blocks
         code, out, line = run("--ckpt", ckpt, "--data", story_file, "--judge", ar, "--samples", 2, "--gen-length", 8,
-                              "--block-length", 4)
+                              *block)
         assert code == 0 and "generative perplexity" in out and "distinct-2" in out, line

@@ -94,6 +94,17 @@ def test_every_tool_refuses_every_damaged_checkpoint_and_runs_no_code(tmp_path, 
     (bench.main, ["--methods", "ar", "--json", "."], "is a folder"),
     (bench.main, ["--methods", "ar", "--device", "tpu"], "--device must be cpu or cuda"),
     (bench.main, ["--methods", "ar,nope"], "unknown method(s) nope"),
+    # a flag none of the chosen rows reads would change nothing
+    *[(bench.main, ["--methods", rows, flag, value], f"{flag} is read by no row of --methods {rows}")
+      for rows, flag, value in [("ar", "--drafter", "d.pt"), ("spec-k2", "--eagle", "e.pt"), ("ar", "--moe", "m.pt"),
+                                ("diffusion-distilled-t0.9", "--mdlm", "m.pt"), ("diffusion", "--distilled", "x.pt"),
+                                ("diffusion-distilled-t0.9", "--distilled-draft", "x.pt"),
+                                ("diffusion", "--entropy-bound", "0.3"), ("dflash-b16", "--min-confidence", "0.5"),
+                                ("spec-k2", "--draft-vocab", "100")]],
+    (bench.main, ["--methods", "ar", "--report-preset", "13m"], "add --report DIR or drop it"),
+    *[(quality.main, ["--judge", "j.pt", "--ar", "a.pt", flag, value], f"{flag} is a --curve setting")
+      for flag, value in [("--thresholds", "0.9"), ("--data", "s.txt"), ("--json", "c.json"), ("--reuse", "c.json"),
+                          ("--self-spec-drafts", "2")]],
     (quality.main, ["--judge", "j.pt", "--ar", "a.pt", "--curve", "--json", "missing/c.json"], "its folder"),
     (quality.main, ["--judge", "j.pt", "--ar", "a.pt", "--curve", "--plot", "missing/c.png"], "its folder"),
     (quality.main, ["--judge", "j.pt", "--ar", "a.pt", "--samplers", "nope"], "unknown sampler(s) nope"),

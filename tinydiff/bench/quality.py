@@ -31,7 +31,7 @@ from tinydiff.extras.regenerate import story_openings
 from tinydiff.extras.self_correction import generate_revising
 from tinydiff.extras.self_speculative import self_speculative_generate
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
-from tinydiff.io.cli import add_device, check_device, make_parser, run_main
+from tinydiff.io.cli import add_device, check_device, given_flags, make_parser, run_main
 from tinydiff.io.files import check_output
 from tinydiff.io.tokens import prepare_tokens
 from tinydiff.sampler import generate, generate_cached
@@ -115,7 +115,10 @@ def parse_args(argv=None):
     curve.add_argument("--reuse", nargs="+", metavar="JSON", help="--json files of earlier curves with the same "
                        "sampling settings: their points of the same model, setting and checkpoint are not sampled again")
     add_device(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = given_flags(p, argv)
+    args.curve_only = [a.dest for a in curve._group_actions if a.dest != "curve"]  # what only --curve reads
+    return args
 
 
 def load_models(args) -> tuple[dict, str]:
@@ -143,6 +146,9 @@ def check_args(args):
     check_device(args.device)
     if not (args.mdlm or args.ar or args.student):
         raise UserError("nothing to sample from; pass --mdlm, --student and/or --ar checkpoints")
+    for dest in args.curve_only if not args.curve else ():
+        if dest in args.given:
+            raise UserError(f"--{dest.replace('_', '-')} is a --curve setting; add --curve or drop it")
     if args.draft and not (args.curve and args.ar):
         raise UserError("--draft adds the speculative point of --curve: pass --curve and --ar (its target)")
     if args.student_draft and not args.student:

@@ -65,7 +65,7 @@ from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE, UserError
 from tinydiff.fast.compiled import compile_seconds
-from tinydiff.io.cli import add_compile, add_device, check_device, make_parser
+from tinydiff.io.cli import add_compile, add_device, check_device, given_flags, make_parser
 from tinydiff.io.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -110,7 +110,17 @@ def parse_args(argv=None):
                    "tiny (under 30 CPU minutes) or 13m (a GPU)")
     p.add_argument("--temperatures", type=parse_temperatures, help="with --report: also run ar and every speculative "
                    "row at each of these temperatures, e.g. 0,0.8,1 (a section and plots/acceptance_by_slot.png)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = given_flags(p, argv)
+    return args
+
+
+# A flag -> the rows that read it: given for none of the rows --methods runs, it would change nothing.
+READ_BY = {"drafter": lambda m: m.startswith(("dflash-", "ddtree-")), "eagle": lambda m: m.startswith("eagle3-"),
+           "moe": lambda m: m.startswith("dmoe-"), "distilled": lambda m: m.startswith("diffusion-distilled"),
+           "mdlm": lambda m: m.startswith("diffusion") and not m.startswith("diffusion-distilled"),
+           "distilled_draft": lambda m: "-ar-drafted" in m, "entropy_bound": lambda m: m.endswith("entropy"),
+           "min_confidence": lambda m: m.endswith("-sched"), "draft_vocab": lambda m: m in FR_ROWS}
 
 
 def check_args(args) -> list[str]:
@@ -130,6 +140,12 @@ def check_args(args) -> list[str]:
     if args.prompts > len(PROMPTS) and not (args.report or args.openings):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --openings or --report, "
                         f"which draw held-out story openings), got {args.prompts}")
+    for dest, reads in READ_BY.items():
+        if dest in args.given and not any(reads(m) for m in methods):
+            raise UserError(f"--{dest.replace('_', '-')} is read by no row of --methods {','.join(methods)}; add a "
+                            "row that reads it (python -m tinydiff.bench --help) or drop the flag")
+    if "report_preset" in args.given and not args.report:
+        raise UserError("--report-preset sizes the models --report trains: add --report DIR or drop it")
     if args.temperatures and not args.report:
         raise UserError("--temperatures adds a section to --report's RESULTS.md: add --report DIR (or run the bench "
                         "once per --temperature)")
