@@ -200,7 +200,6 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     tokenizer, parameters = Tokenizer(), [p for p in model.parameters()]
-
     saved = step if step else None  # the step OUT/ckpt.pt holds
 
     def save():

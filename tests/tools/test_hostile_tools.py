@@ -29,30 +29,19 @@ def cases(table):
     return [(flag, value) for flag, values in table.items() for value in [*values, *NON_FINITE]]
 
 
-@pytest.mark.parametrize("flag, value", cases(BENCH))
-def test_the_bench_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
+# tool -> its main, the rest of a command line that would run, its table of bad numbers
+NUMBERS = {"bench": (bench.main, ["--methods", "ar"], BENCH),
+           "quality": (quality.main, ["--judge", "j.pt", "--ar", "a.pt"], QUALITY),
+           "eval": (evaluate.main, ["--ckpt", "m.pt"], EVAL),
+           "quantize": (quantize.main, ["--ckpt", "m.pt", "--out", "q.pt"], QUANTIZE)}
+
+
+@pytest.mark.parametrize("tool, flag, value", [(tool, flag, value) for tool, (_, _, table) in NUMBERS.items()
+                                               for flag, value in cases(table)])
+def test_every_tool_refuses_every_bad_number(tmp_path, capsys, monkeypatch, tool, flag, value):
+    main, argv, _ = NUMBERS[tool]
     monkeypatch.chdir(tmp_path)
-    assert f"argument {flag}:" in refused(bench.main, ["--methods", "ar", flag, value], capsys, tmp_path)
-
-
-@pytest.mark.parametrize("flag, value", cases(QUALITY))
-def test_the_quality_tool_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
-    monkeypatch.chdir(tmp_path)
-    line = refused(quality.main, ["--judge", "j.pt", "--ar", "a.pt", flag, value], capsys, tmp_path)
-    assert f"argument {flag}:" in line
-
-
-@pytest.mark.parametrize("flag, value", cases(EVAL))
-def test_eval_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
-    monkeypatch.chdir(tmp_path)
-    assert f"argument {flag}:" in refused(evaluate.main, ["--ckpt", "m.pt", flag, value], capsys, tmp_path)
-
-
-@pytest.mark.parametrize("flag, value", cases(QUANTIZE))
-def test_quantize_refuses_every_bad_number(tmp_path, capsys, monkeypatch, flag, value):
-    monkeypatch.chdir(tmp_path)
-    line = refused(quantize.main, ["--ckpt", "m.pt", "--out", "q.pt", flag, value], capsys, tmp_path)
-    assert f"argument {flag}:" in line
+    assert f"argument {flag}:" in refused(main, [*argv, flag, value], capsys, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -82,8 +82,8 @@ def ar_loss(model, windows, generator=None):
     """ar.ar_loss, the head fused with the cross-entropy: (loss, stats)."""
     x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
     h = last_hidden(model, x, causal=True).flatten(0, 1)  # (B*T, D)
-    loss, _ = head_loss(model, h, y.flatten(), torch.full((len(h),), 1 / len(h), dtype=torch.float64, device=h.device),
-                        False)
+    w = torch.full((len(h),), 1 / len(h), dtype=torch.float64, device=h.device)  # (B*T,): the mean
+    loss, _ = head_loss(model, h, y.flatten(), w, False)
     return loss, {"ce": loss.detach()}
 
 
