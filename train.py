@@ -42,7 +42,7 @@ from tinydiff.io.tokens import prepare_tokens
 from tinydiff.tokenizer import Tokenizer
 from tinydiff.train.batches import OBJECTIVES, same_data, training_data  # noqa: F401 (OBJECTIVES: tests patch it here)
 from tinydiff.train.distributed import Ranks
-from tinydiff.train.precision import DTYPES, MixedPrecision, choose_dtype
+from tinydiff.train.precision import DTYPES, MixedPrecision, check_fits, choose_dtype
 from tinydiff.train.run_config import add_flags, check_new, run_settings
 from tinydiff.train.run_model import build_model, describe, sample_story
 
@@ -173,6 +173,7 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
     torch.manual_seed(run["seed"])  # every rank builds the same initial weights
     model = build_model(run, device, ckpt, out / "ckpt.pt")
     describe(model, run)
+    check_fits(model, precision.dtype, -(-run["batch_size"] // ranks.world), device)  # this rank's windows
     print(f"precision: {precision.describe()}" + (f" | {ranks.world} ranks" if ranks.world > 1 else ""))
     with claim_run_folder(out) if ranks.main else nullcontext():  # from here on this folder is this run's alone
         if ckpt is None and ranks.main:

@@ -208,6 +208,28 @@ def test_a_step_that_does_not_fit_is_one_line_that_names_the_batch_that_would(st
     assert load_checkpoint(tmp_path / "later" / "ckpt.pt")["step"] == 2
 
 
+def test_a_batch_that_cannot_fit_is_refused_before_any_work_naming_one_that_could(story_file, tmp_path, monkeypatch):
+    """precision.check_fits against a device of `total` bytes (this machine's RAM monkeypatched): refused
+    before the data is read and before the folder is claimed; the --batch-size it names is the largest whose
+    step floor x 3 fits."""
+    from tinydiff.model import Transformer, preset
+    from tinydiff.train import precision
+    model = Transformer(preset("draft", context=16))  # what argv builds
+    weights, per_window = precision.step_floor(model, "fp32", 0)[0], precision.step_floor(model, "fp32", 1)[1]
+    for total, batch in ((3 * (weights + 4 * per_window), 2 * weights // per_window + 20), (weights // 2, 2)):
+        monkeypatch.setattr(precision, "device_memory", lambda device: total)
+        with pytest.raises(UserError, match=rf"^--batch-size {batch} cannot fit: a step holds at least .* GB, and "
+                                            r"this machine has .* GB; pass ") as refusal:
+            train.main([*argv(story_file, tmp_path / "run"), "--batch-size", str(batch)])
+        assert not (tmp_path / "run").exists() and not list(tmp_path.glob("*.bin"))  # nothing read, nothing written
+        named = re.search(r"--batch-size (\d+) or less$", str(refusal.value))
+        if total < weights:
+            assert named is None and str(refusal.value).endswith("a smaller --preset or --context")
+        else:  # the largest batch whose floor x 3 fits
+            floor = [precision.step_floor(model, "fp32", n)[0] for n in (int(named.group(1)), int(named.group(1)) + 1)]
+            assert 3 * floor[0] <= total < 3 * floor[1]
+
+
 def test_noise_block_trains_block_diffusion_and_init_keeps_it(story_file, tmp_path, monkeypatch):
     from tinydiff.train import fused_loss
     calls, block, mdlm = [], fused_loss.block_diffusion_loss, fused_loss.mdlm_loss  # record the block used, 0: MDLM
