@@ -36,7 +36,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None  # (N, D)
             grad_head = torch.zeros_like(head) if ctx.needs_input_grad[1] else None  # (V, D)
             w = w.to(ce.dtype)
-            scale = w.max() if len(w) else w.new_ones(())  # g's largest weight 1: fp16 keeps its small entries
+            # The rows' weights scale the narrow (n, D) side of each product, never the (n, V) one; under
+            # autocast divided by their largest, so that a half dtype keeps them, and multiplied back after.
+            scale = w.max() if len(w) and dtype != head.dtype else w.new_ones(())
             for i in range(0, len(h), ROWS):
                 rows = slice(i, i + ROWS)
                 logits = (hc[rows] @ wc.T).to(ce.dtype)  # (n, V): the chunk's, in float32 (float64 stays)
@@ -45,12 +47,16 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if grad_h is None and grad_head is None:
                     continue
                 g = logits.sub_(lse[:, None]).exp_()  # (n, V): the softmax, in place of the logits
-                g[torch.arange(len(g), device=g.device), y[rows]] -= 1  # d CE / d logits
-                g = g.mul_(w[rows, None] / scale).to(dtype)  # (n, V)
+                g[torch.arange(len(g), device=g.device), y[rows]] -= 1  # d CE / d logits, unweighted
+                g = g.to(dtype)
                 if grad_h is not None:
-                    grad_h[rows] = ((g @ wc).to(scale.dtype) * scale).to(h.dtype)
+                    grad_h[rows] = ((g @ wc).to(ce.dtype) * w[rows, None]).to(h.dtype)
                 if grad_head is not None:
-                    grad_head += ((g.T @ hc[rows]).to(scale.dtype) * scale).to(head.dtype)
+                    hw = (hc[rows] * (w[rows, None] / scale)).to(dtype)  # (n, D): each row's weight
+                    if dtype == head.dtype:
+                        grad_head.addmm_(g.T, hw)
+                    else:
+                        grad_head += (g.T @ hw).to(head.dtype) * scale.to(head.dtype)
         ctx.save_for_backward(grad_h, grad_head)
         ctx.mark_non_differentiable(ce)
         return (ce * w).sum(), ce
