@@ -31,7 +31,7 @@ from tinydiff.extras.regenerate import story_openings
 from tinydiff.extras.self_correction import generate_revising
 from tinydiff.extras.self_speculative import self_speculative_generate
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
-from tinydiff.io.cli import add_device, check_device, given_flags, make_parser, run_main
+from tinydiff.io.cli import add_device, check_device, flag, given_flags, make_parser, run_main
 from tinydiff.io.files import check_output
 from tinydiff.io.tokens import prepare_tokens
 from tinydiff.sampler import generate, generate_cached
@@ -148,7 +148,7 @@ def check_args(args):
         raise UserError("nothing to sample from; pass --mdlm, --student and/or --ar checkpoints")
     for dest in args.curve_only if not args.curve else ():
         if dest in args.given:
-            raise UserError(f"--{dest.replace('_', '-')} is a --curve setting; add --curve or drop it")
+            raise UserError(f"{flag(dest)} is a --curve setting; add --curve or drop it")
     if args.draft and not (args.curve and args.ar):
         raise UserError("--draft adds the speculative point of --curve: pass --curve and --ar (its target)")
     if args.student_draft and not args.student:

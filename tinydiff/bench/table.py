@@ -65,7 +65,7 @@ from tinydiff.bench.report import write_report
 from tinydiff.bench.temperatures import parse_temperatures
 from tinydiff.checks import COUNT, NATS, PROBABILITY, SEED, TEMPERATURE, UserError
 from tinydiff.fast.compiled import compile_seconds
-from tinydiff.io.cli import add_compile, add_device, check_device, given_flags, make_parser
+from tinydiff.io.cli import add_compile, add_device, check_device, flag, given_flags, make_parser
 from tinydiff.io.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -142,7 +142,7 @@ def check_args(args) -> list[str]:
                         f"which draw held-out story openings), got {args.prompts}")
     for dest, reads in READ_BY.items():
         if dest in args.given and not any(reads(m) for m in methods):
-            raise UserError(f"--{dest.replace('_', '-')} is read by no row of --methods {','.join(methods)}; add a "
+            raise UserError(f"{flag(dest)} is read by no row of --methods {','.join(methods)}; add a "
                             "row that reads it (python -m tinydiff.bench --help) or drop the flag")
     if "report_preset" in args.given and not args.report:
         raise UserError("--report-preset sizes the models --report trains: add --report DIR or drop it")

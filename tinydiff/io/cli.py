@@ -47,6 +47,11 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return OneLineParser(prog=prog, description=description, formatter_class=DefaultsHelp)
 
 
+def flag(dest: str) -> str:
+    """The command-line flag of a setting or parser dest: max_steps -> --max-steps."""
+    return "--" + dest.replace("_", "-")
+
+
 def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
     """The dests of the flags `argv` sets, whatever their values: argparse fills a default only where
     the namespace lacks the attribute, so a namespace preset to a marker keeps it for every flag not given."""

@@ -27,7 +27,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.checks import COUNT, Rule, UserError
 from tinydiff.diffusion import diffusion_elbo, scored_tokens
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, load_model
-from tinydiff.io.cli import add_device, check_device, given_flags, make_parser, run_main
+from tinydiff.io.cli import add_device, check_device, flag, given_flags, make_parser, run_main
 from tinydiff.io.files import check_output, write_atomic
 from tinydiff.io.tokens import SEPARATOR, read_stories, text_file
 from tinydiff.model import wide
@@ -131,13 +131,13 @@ def main(argv=None):
     check_output(args.json, "--json")
     for dest in JUDGED if args.judge is None else ():
         if dest in args.given:
-            raise UserError(f"--{dest.replace('_', '-')} sets the judged stories, which only --judge writes; add "
+            raise UserError(f"{flag(dest)} sets the judged stories, which only --judge writes; add "
                             "--judge AR_CKPT or drop it")
     stories = pinned_stories(args.data)
     model, ckpt = load_model(args.ckpt, args.device, kinds=(*AR_KINDS, *DIFFUSION_KINDS))
     for dest in ("mc", "block_length") if ckpt["kind"] in AR_KINDS else ():
         if dest in args.given:  # an AR model's NLL is exact and its stories are written token by token
-            raise UserError(f"--{dest.replace('_', '-')} applies to a diffusion LM; {args.ckpt} holds a "
+            raise UserError(f"{flag(dest)} applies to a diffusion LM; {args.ckpt} holds a "
                             f"{ckpt['kind']} model: drop it")
     judge = load_model(args.judge, args.device, kinds=("ar",))[0] if args.judge else None
     if judge is not None and ckpt["kind"] not in AR_KINDS and args.gen_length % args.block_length:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from tinydiff.checks import UserError
 from tinydiff.io.checkpoint import load_checkpoint, model_from
-from tinydiff.io.cli import make_parser, run_main
+from tinydiff.io.cli import flag, make_parser, run_main
 from tinydiff.io.hf_format import CONFIG, LLAMA_KINDS, WEIGHTS, check_layout, write_folder
 from tinydiff.tokenizer import EOT, MASK
 from tinydiff.tools.hf_tokenizer import MASK_TOKEN, tokenizer_files
-from tinydiff.train.run_config import DRAFTERS, RunConfig, flag, migrate
+from tinydiff.train.run_config import DRAFTERS, RunConfig, migrate
 
 LAYOUTS = ("auto", "llama", "tinydiff")
 WHAT = {"ar": "an autoregressive (causal) language model", "mdlm": "a masked-diffusion language model (MDLM)",

@@ -31,7 +31,7 @@ from tinydiff.dmoe import EXPERTS
 from tinydiff.extras.distill import LOSSES
 from tinydiff.fp4 import FORMATS
 from tinydiff.io.checkpoint import KINDS, load_checkpoint
-from tinydiff.io.cli import check_device
+from tinydiff.io.cli import check_device, flag
 from tinydiff.io.files import check_run_folder
 from tinydiff.model import PRESETS
 from tinydiff.sampler import REMASKING
@@ -58,11 +58,6 @@ BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10*
 SAMPLING_TEMPERATURE = Rule(lo=0.01, hi=100)  # a temperature one samples at (0 is greedy: the default labels)
 LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target block, 0-indexed (its output); the target bounds it further
 layer_ids = number_list(LAYER_ID)  # '1,2,4' -> [1, 2, 4]
-
-
-def flag(setting_name: str) -> str:
-    """The command-line flag of a run setting: max_steps -> --max-steps."""
-    return "--" + setting_name.replace("_", "-")
 
 
 def setting(default, help: str, group: str = "", **argparse_options):

@@ -22,6 +22,7 @@ from tinydiff.io.checkpoint import (
     load_model,
     model_from,
 )
+from tinydiff.io.cli import flag
 from tinydiff.model import Transformer, preset
 from tinydiff.tokenizer import EOT
 from tinydiff.train.run_config import DRAFTERS
@@ -54,9 +55,9 @@ def check_init_shape(run: dict, config, wanted: dict):
     """A model continued from --init keeps its shape: a flag asking for another one is an error."""
     for key, value in wanted.items():
         if getattr(config, key, 0) != value:  # a plain DFlash config has no markov_rank: rank 0
-            flag = {"n_layer": "drafter-layers", "n_experts": "experts", "moe_top_k": "top-k"}.get(key, key)
+            name = {"n_layer": "drafter_layers", "n_experts": "experts", "moe_top_k": "top_k"}.get(key, key)
             raise UserError(f"--init {run['init']} has {key} {getattr(config, key)}, this run asks for {value}; "
-                            f"pass --{flag.replace('_', '-')} to match, or start without --init")
+                            f"pass {flag(name)} to match, or start without --init")
 
 
 def check_flags_fit(run: dict):
