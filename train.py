@@ -21,6 +21,7 @@ one never interrupted: batch i and its noise come from (seed, i) alone, and the 
 the optimizer, step, scaler and RNG states. Checkpoints go to OUT/ckpt.pt every --ckpt-every steps,
 at the end, and on Ctrl-C or SIGTERM.
 """
+import argparse
 import functools
 import math
 import os
@@ -61,6 +62,9 @@ def parse_args(argv=None):
                    help="training precision (default: the resumed run's own, else auto: bf16 on a GPU with bf16 units, "
                         "fp16 with a gradient scaler on one without (T4, V100, P100), fp32 on a CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="compile the model's training forward and backward with torch.compile (default: on CUDA, "
+                        "off on a CPU); a run may resume with or without it")
     args = p.parse_args(argv)
     if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():  # else read only when it is needed
         raise UserError(f"--cache-dir {args.cache_dir} is a file, not a folder; name a folder (made if missing)")
@@ -80,7 +84,18 @@ def make_optimizer(model, run: dict):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": run["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=run["lr"], betas=(0.9, 0.95))
+    fused = decay[0].is_cuda  # one kernel for the whole update on a GPU (nanoGPT's choice), the plain loop on a CPU
+    return torch.optim.AdamW(groups, lr=run["lr"], betas=(0.9, 0.95), fused=fused)
+
+
+def compile_step(model):
+    """torch.compile what a training step runs, traced at its first step (nanoGPT's default on a GPU):
+    the model's forward and its backward; a drafter's layers (its loss calls `hidden`) and its frozen target."""
+    if hasattr(model, "target"):  # a DFlash drafter or an EAGLE-3 head
+        model.target.compile()
+        model.hidden = torch.compile(model.hidden)
+    else:
+        model.compile()
 
 
 def backward_and_step(loss, optimizer, parameters, precision, grad_clip: float, ranks=None) -> bool:
@@ -174,7 +189,11 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
     model = build_model(run, device, ckpt, out / "ckpt.pt")
     describe(model, run)
     check_fits(model, precision.dtype, -(-run["batch_size"] // ranks.world), device)  # this rank's windows
-    print(f"precision: {precision.describe()}" + (f" | {ranks.world} ranks" if ranks.world > 1 else ""))
+    compiled = args.compile if args.compile is not None else device.startswith("cuda")
+    if compiled:
+        compile_step(model)
+    print(f"precision: {precision.describe()}" + (" | compiled" if compiled else "")
+          + (f" | {ranks.world} ranks" if ranks.world > 1 else ""))
     with claim_run_folder(out) if ranks.main else nullcontext():  # from here on this folder is this run's alone
         if ckpt is None and ranks.main:
             check_new(out)  # another run may have finished here since the first look
@@ -185,7 +204,7 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
         optimizer = make_optimizer(model, run)
         step = restore(optimizer, precision, ckpt, out)
         loop(run, model, optimizer, precision, loss_fn, draw, val_windows, step, out, args.ckpt_every, device,
-             data_id, ranks)
+             data_id, ranks, compiled)
 
 
 def out_of_memory(run: dict, device: str, out, saved) -> str:
@@ -197,7 +216,7 @@ def out_of_memory(run: dict, device: str, out, saved) -> str:
 
 
 def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out, ckpt_every: int,
-         device: str, data_id: str, ranks: Ranks):
+         device: str, data_id: str, ranks: Ranks, compiled: bool = False):
     """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
     ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
     tokenizer, parameters = Tokenizer(), [p for p in model.parameters()]
@@ -216,7 +235,8 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
     bar = progress.bar(total=run["max_steps"], initial=step, desc="train", unit="step", dynamic_ncols=True)
     with StopOnSignal() as stop, closing(bar):  # closed on any exit, so an error's line is the last one
         tokens_per_step = run["batch_size"] * model.config.context
-        steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation excluded
+        steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation and compiling excluded
+        compiling = 0.0 if compiled else None  # a compiled model's first step traces and compiles it
         model.train()
         while step < run["max_steps"]:
             t0 = time.perf_counter()
@@ -233,16 +253,22 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
             except torch.OutOfMemoryError:
                 raise UserError(out_of_memory(run, device, out, saved)) from None
             step += 1
-            steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
-            tok_s = steps_timed * tokens_per_step / seconds  # running mean: steadier than one step
+            if compiling == 0.0:
+                compiling = time.perf_counter() - t0
+                bar.write(f"compiled the training step in {compiling:.1f} s (its first step, left out of tok/s)")
+            else:
+                steps_timed, seconds = steps_timed + 1, seconds + time.perf_counter() - t0
+            tok_s = steps_timed * tokens_per_step / max(seconds, 1e-9)  # running mean: steadier than one step
             bar.update(1)
             skipped = f" | skipped {precision.skipped}" if precision.dtype == "fp16" else ""  # fp16's inf steps
             bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
             if ranks.main and (step % run["eval_every"] == 0 or step == run["max_steps"]):
-                stats = evaluate(model, loss_fn, val_windows, run["batch_size"], precision.autocast)
+                with torch.compiler.set_stance("force_eager"):  # other shapes, no gradients: not worth graphs
+                    stats = evaluate(model, loss_fn, val_windows, run["batch_size"], precision.autocast)
+                    story = sample_story(model, run["model"], tokenizer, run["seed"])
                 bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
                           + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")
-                bar.write("sample: " + sample_story(model, run["model"], tokenizer, run["seed"]).replace("\n", " "))
+                bar.write("sample: " + story.replace("\n", " "))
             if step % ckpt_every == 0 or step == run["max_steps"]:
                 save()
             if ranks.anyone(stop.requested):
@@ -252,6 +278,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
                       f"python train.py --out {out} --resume")
                 return
     rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
+    rate += f", compiling {compiling:.0f} s apart" if compiling else ""
     print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'} | "
           + peak_memory(device))
 
