@@ -9,10 +9,13 @@
 #      kernel and its model path), the kernels compiled for the GPU (TRITON_INTERPRET=0); then
 #      tests/fast/test_cuda_graphs.py: the loops the bench times with --compile give the eager tokens on CUDA,
 #      run no graph without its CUDA graph, and record none again after their first stories;
-#   2. python -m tinydiff.bench.kernels $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
+#   2. scripts/train_speed.py: the default `13m` recipe (64 windows of 256) for 200 steps on the local
+#      sample text in bf16 and fp16 + scaler, eager and compiled: tokens/s, MFU, compile seconds, peak
+#      memory, and the default run's projected hours here and on a T4;
+#   3. python -m tinydiff.bench.kernels $KERNEL_BENCH_ARGS (default: --kernels moe,moe-fp4 --no-flex,
 #      the grouped expert kernel and the packed-FP4 one at the same routing; "--sweep" for every
 #      kernel at other tile sizes too, as the first GPU run did);
-#   3. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32), then with
+#   4. the method bench eager on `tiny` (ar, spec-k4, dflash-b8, dflash-b16, ddtree-n32), then with
 #      --compile (the eager loops on compiled steps, CUDA graphs): ar, spec-k4, dflash-b8, dflash-b16,
 #      ddtree-n32, beside the one-graph paths ar-steps8 (8 AR tokens a graph call: fused_steps.py),
 #      spec-k4-fused and dflash-b16-fused (each round one graph: fused_round.py, fused_dflash.py):
@@ -21,8 +24,6 @@
 #      eager step); scripts/compiled_round_costs.py on `tiny` and `13m`: spec-k4's and dflash-b16's
 #      fused rounds taken apart the same way, each in compiled ar tokens; then FR-Spec's fused rounds
 #      (ar, spec-k2-fr, spec-k3-fr at T = 1, interleaved, with the sample text for FR-Spec's ids);
-#   4. python train.py (the bare 13m recipe) for 300 steps on the local sample text with --dtype fp32,
-#      fp16 and bf16 (where the GPU has bf16 units): tokens/s, the loss curve, the steps fp16 skipped;
 #   5. ar on an untrained `13m`, eager and compiled (and ar-steps8 compiled);
 #   6. python -m tinydiff.bench --new-tokens 32 --prompts 2 on tiny models at temperature 0 and 1 (every
 #      method, the kernels in the model paths), where the budget leaves time.
@@ -31,9 +32,9 @@
 # skipped). Each step has a time limit, and the whole script ends within GPU_CHECK_BUDGET seconds
 # (default 560, under one device call's 10 minutes): a step gets what is left of the budget at most,
 # and a step with under 20 s left is skipped. A step that fails or times out is reported and the
-# others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels kernel_bench
-# test_cuda_graphs bench_eager bench_compile step_costs_tiny round_costs_tiny step_costs_13m round_costs_13m
-# bench_compile_fr train_fp32 train_fp16 train_bf16 bench_13m_eager bench_13m bench bench_t1;
+# others still run. GPU_CHECK_STEPS="NAME ..." runs only the steps named (test_kernels test_cuda_graphs
+# train_speed kernel_bench bench_eager bench_compile step_costs_tiny round_costs_tiny step_costs_13m round_costs_13m
+# bench_compile_fr bench_13m_eager bench_13m bench bench_t1;
 # they still run in this order). GPU_CHECK_TAR=FILE writes every log so far into one archive after each
 # step: a device call that brings back only a few files (8 here) brings back that one, whole, even when
 # the call's time limit cuts the script (so give a LOGDIR outside the folder it brings back).
@@ -102,12 +103,18 @@ TRITON_INTERPRET=0 step test_cuda_graphs 150 env TORCH_LOGS=cudagraphs "$PY" -m 
     tests/fast/test_cuda_graphs.py  # -v: each test's verdict as it ends, kept if the limit cuts the rest
 # The rows are written as they come: a timeout keeps them.
 # shellcheck disable=SC2086  # the arguments are words
-step kernel_bench 120 "$PY" -m tinydiff.bench.kernels ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
-    --json "$LOGDIR/kernel_bench.json"
 DATA=""
 for file in ../shared/data/tinystories-sample.txt ./shared/data/tinystories-sample.txt; do
     if [ -f "$file" ]; then DATA="$file"; break; fi
 done
+if [ -n "$DATA" ] && [ -n "${TIKTOKEN_CACHE_DIR:-}" ]; then  # the default 13m recipe: tok/s, MFU, the T4 hour
+    step train_speed 300 "$PY" scripts/train_speed.py --data "$DATA" --steps 200 --dtypes bf16,fp16
+else
+    echo "train_speed    SKIPPED: no tinystories-sample.txt beside the repo or no tiktoken cache" \
+        | tee -a "$LOGDIR/summary.txt"
+fi
+step kernel_bench 120 "$PY" -m tinydiff.bench.kernels ${KERNEL_BENCH_ARGS:---kernels moe,moe-fp4 --no-flex} \
+    --json "$LOGDIR/kernel_bench.json"
 if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
     echo "benches      SKIPPED: no tiktoken cache (set TIKTOKEN_CACHE_DIR to a folder with the r50k_base ranks)" \
         | tee -a "$LOGDIR/summary.txt"
@@ -128,15 +135,6 @@ done
 if [ -n "$DATA" ]; then  # the fused rounds (fused_round.py), whole rounds as one graph; FR-Spec ranks --data's ids
     step bench_compile_fr 120 "$PY" -m tinydiff.bench --methods ar,spec-k2-fr,spec-k3-fr --new-tokens 64 --prompts 4 \
         --compile --temperature 1 --interleave --data "$DATA" --json "$LOGDIR/bench_compile_fr.json" "$@"
-fi
-if [ -n "$DATA" ]; then
-    for dtype in fp32 fp16 bf16; do
-        rm -rf "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype"  # a fresh run each time, not a refused second one
-        step "train_$dtype" 60 "$PY" train.py --data "$DATA" --out "${TMPDIR:-/tmp}/tinydiff-gpu-$dtype" --dtype "$dtype" \
-            --max-steps 300 --eval-every 100 --ckpt-every 300 --cache-dir "${TMPDIR:-/tmp}/tinydiff-gpu-data"
-    done
-else
-    echo "train          SKIPPED: no tinystories-sample.txt beside the repo" | tee -a "$LOGDIR/summary.txt"
 fi
 M13="${TMPDIR:-/tmp}/tinydiff-gpu-13m.pt"
 "$PY" -c "import sys, torch; from tinydiff.model import Transformer, preset; from tinydiff.io.checkpoint import save_checkpoint
