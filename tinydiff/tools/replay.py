@@ -59,7 +59,7 @@ class Recorder:
         confidences = event.get("confidences")  # the sampler's live tensor: read it now
         scores = [] if confidences is None else confidences[[len(self.prompt) + i for i in changed]].tolist()
         self.steps.append({"block": event["block"], "set": [[i, canvas[i]] for i in changed],
-                           "conf": [round(c, 3) if abs(c) < 1e9 else None for c in scores]})
+                           "conf": [float(f"{c:.3g}") if abs(c) < 1e9 else None for c in scores]})
         self.canvas = canvas
         if self.layers:  # the routing of this step's forward, what each layer kept of it
             self.routing.append([(layer.last["experts"][0], layer.last["scores"][0].topk(layer.top_k).indices)
@@ -81,14 +81,16 @@ class Recorder:
             entry["cached"] = bool(info["cached"])
         self.steps.append(entry)
 
+    def block_length(self) -> int:
+        """A diffusion run's block: its canvas over its blocks (the events count them)."""
+        return len(self.canvas) // (1 + max(step["block"] for step in self.steps)) if self.canvas else 0
+
     def experts(self):
         """Per step, per MoE layer, [experts the decoding block read, experts token routing would read]:
         the block's rows are its positions in a whole-canvas forward, else the forward's last rows."""
         if not self.routing:
             return None
-        P, n = len(self.prompt), len(self.canvas)
-        block_length = n // (1 + max(step["block"] for step in self.steps))
-        out = []
+        P, n, block_length, out = len(self.prompt), len(self.canvas), self.block_length(), []
         for step, layers in zip(self.steps, self.routing):
             lo = P + step["block"] * block_length
             rows = [(slice(lo, lo + block_length) if len(read) == P + n else slice(len(read) - block_length, None))
@@ -99,15 +101,15 @@ class Recorder:
 
     def page(self) -> dict:
         """What the page replays: the method, the prompt's text, every event, each token's bytes."""
-        ids = {i for step in self.steps for i in step.get("tokens", []) + step.get("drafts", [])}
-        ids |= {i for step in self.steps for i, *_ in step.get("nodes", [])} | {s.get("root", EOT) for s in self.steps}
-        ids |= {i for step in self.steps for _, i in step.get("set", [])}
+        ids = {self.prompt[-1]} | {i for step in self.steps for _, i in step.get("set", [])}
+        for step in self.steps:
+            ids |= {*step.get("tokens", []), *step.get("drafts", []), *(node[0] for node in step.get("nodes", []))}
         pieces = {i: self.tokenizer.bpe.decode_single_token_bytes(i).decode("latin-1") for i in sorted(ids)
-                  if i not in (MASK, EOT)}
-        kind = "diffusion" if self.canvas is not None else ("tree" if any("nodes" in s for s in self.steps) else
-                                                             "chain")
+                  if i not in (MASK, EOT)}  # bytes 0-255 as chars 0-255: JSON carries them, the page decodes UTF-8
+        kind = "diffusion" if self.canvas is not None else "tree" if any("nodes" in s for s in self.steps) else "chain"
         return {"method": self.method, "kind": kind, "prompt": self.prompt_text, "length": len(self.canvas or []),
-                "mask": MASK, "eot": EOT, "pieces": pieces, "steps": self.steps, "experts": self.experts()}
+                "block": self.block_length(), "mask": MASK, "eot": EOT, "pieces": pieces, "steps": self.steps,
+                "experts": self.experts()}
 
     def write(self, path, overwrite: bool = False) -> str:
         """The page, written atomically to `path`; returns the path."""
