@@ -1,19 +1,19 @@
 """Write a story with a trained checkpoint, by any of the core's decoding methods.
 
     python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Once upon a time"
-    python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --method diffusion-cached --threshold 0.9
+    python generate.py --ckpt out/mdlm-tiny/ckpt.pt --prompt "Tom had a dog" --threshold 0.9 --html replay.html
     python generate.py --ckpt out/ar-tiny/ckpt.pt --prompt "Tom had a dog" --temperature 0 --json
     python generate.py --ckpt out/ar-tiny/ckpt.pt --method spec --draft out/ar-draft/ckpt.pt --k 4 --prompt "Tom"
     python generate.py --ckpt out/ar-tiny/ckpt.pt --method ddtree --draft out/dflash-tiny/ckpt.pt --prompt "Tom"
 
-The method follows the checkpoint (`diffusion` for a masked-diffusion LM: the canvas starts all-MASK and
-fills in, drawn on a terminal as it does; `ar` for an AR model), or --method picks one: `spec` (a small
-AR draft proposes k tokens per target forward), `ssd` (spec, the draft pre-drafting the next round in a
-second thread), `dflash` (a block drafter drafts k tokens in one forward), `ddtree` (that forward grown
-into a tree of --budget nodes), `eagle3` (an EAGLE-3 head: a chain of k, or with --budget a tree),
-`diffusion-cached` (blocks left to right, the finished prefix in a KV cache). Every speculative method
-writes the target's distribution: at temperature 0, exactly the tokens `ar` writes. vLLM's spelling:
-    --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", "num_speculative_tokens": 4}'
+The method follows the checkpoint (`diffusion` for a masked-diffusion LM: the canvas starts all-MASK and fills
+in, drawn on a terminal as it does; `ar` for an AR model), or --method picks one: `spec` (a small AR draft
+proposes k tokens per target forward), `ssd` (spec, the draft pre-drafting the next round in a second thread),
+`dflash` (a block drafter drafts k tokens in one forward), `ddtree` (that forward grown into a tree of --budget
+nodes), `eagle3` (an EAGLE-3 head: a chain of k, or with --budget a tree), `diffusion-cached` (blocks left to
+right, the finished prefix in a KV cache). Every speculative method writes the target's distribution: at
+temperature 0, exactly the tokens `ar` writes. --html: a page that replays the run (tinydiff/tools/replay.py).
+vLLM's spelling: --speculative-config '{"method": "draft_model", "model": "out/ar-draft/ckpt.pt", ...}'.
 Research variants have entry points of their own (docs/USAGE.md), e.g. python -m tinydiff.extras.self_speculative.
 """
 import json
@@ -22,7 +22,7 @@ import sys
 import torch
 
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, UserError
-from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, load_checkpoint, load_model
+from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, drafter_from, load_checkpoint, load_model
 from tinydiff.io.cli import (
     CanvasView,
     add_compile,
@@ -41,7 +41,8 @@ METHODS = {**{method: AR_KINDS for method in AR_FAMILY}, "diffusion": DIFFUSION_
 DRAFT_KINDS = {"spec": "ar", "ssd": "ar", "dflash": "dflash", "ddtree": "dflash", "eagle3": "eagle3"}
 DIFFUSION = ("diffusion", "diffusion-cached")
 USED_BY = {"top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": tuple(DRAFT_KINDS), "k": tuple(DRAFT_KINDS),
-           "budget": ("ddtree", "eagle3"), "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion-cached"),
+           "budget": ("ddtree", "eagle3"), "html": (*DRAFT_KINDS, *DIFFUSION),  # every method but ar: a token a forward
+           "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion-cached"),
            **{key: DIFFUSION for key in ("steps", "block_length", "threshold", "entropy_bound", "routing")}}
 
 
@@ -67,6 +68,7 @@ def parse_args(argv=None):
                    "less the largest, sum to at most this many nats (EB-Sampler)")
     p.add_argument("--routing", choices=["token", "block"], help="mdlm-moe: expert routing (default: the "
                    "checkpoint's)")
+    p.add_argument("--html", metavar="FILE", help="also write a page that replays the run step by step, any browser")
     args = p.parse_args(argv)
     args.given = given_flags(p, argv)
     return args
@@ -103,7 +105,7 @@ def compiled(args, model, hot):
 
 def decode(method, model, prompt, args, generator):
     """(new ids, result) of `method` on `model`; each method's module imported only when it runs."""
-    warping = (args.temperature, args.top_k or None, args.top_p)
+    warping, loop = (args.temperature, args.top_k or None, args.top_p), dict(generator=generator, on_round=args.view)
     new = args.max_new_tokens
     if method == "ar":
         from tinydiff.ar import ar_generate
@@ -128,32 +130,34 @@ def decode(method, model, prompt, args, generator):
             from tinydiff.ssd import ssd_generate
             if args.device == "cpu":
                 torch.set_num_threads(1)  # the draft's thread and the target's each get one core
-            return ssd_generate(model, draft, prompt, new, k, 3, *warping, generator, threaded=True)
+            return ssd_generate(model, draft, prompt, new, k, 3, *warping, threaded=True, **loop)
         from tinydiff.speculative import speculative_generate
         return speculative_generate(compiled(args, model, (k + 1,)), compiled(args, draft, (1, 2)), prompt, new, k,
-                                    *warping, generator)
+                                    *warping, **loop)
     if method == "eagle3":
         from tinydiff.eagle3 import eagle_generate
         from tinydiff.io.checkpoint import head_from
         head = head_from(draft_ckpt, model, args.draft)
         model = compiled(args, model, (k + 1 if args.budget is None else args.budget + 1,))
-        return eagle_generate(model, head, prompt, new, k, args.budget, 4, *warping, generator)
-    from tinydiff.io.checkpoint import drafter_from
+        return eagle_generate(model, head, prompt, new, k, args.budget, 4, *warping, **loop)
     drafter = drafter_from(draft_ckpt, model, args.draft)
     B = BLOCK.check("--k + 1 (the drafter's block)", k + 1) if args.k else drafter.config.block_size
     if method == "dflash":
         from tinydiff.dflash import dflash_generate
         return dflash_generate(compiled(args, model, (B,)), compiled(args, drafter, (B,)), prompt, new, B, *warping,
-                               generator)
+                               **loop)
     from tinydiff.ddtree import ddtree_generate
     budget = args.budget or 32
     return ddtree_generate(compiled(args, model, (budget + 1,)), compiled(args, drafter, (B,)), prompt, new, B,
-                           budget, *warping, generator)
+                           budget, *warping, **loop)
 
 
 def main(argv=None):
     args = parse_args(argv)
     check_device(args.device)
+    if args.html:  # before any work: the page can be written; a Recorder, the loop's callback, keeps every step
+        from tinydiff.tools.replay import Recorder, check_page_path
+        check_page_path(args.html)
     if args.speculative_config:
         speculative_config(args)
     model, ckpt = load_model(args.ckpt, args.device, kinds=sum(METHODS.values(), ()))
@@ -161,35 +165,31 @@ def main(argv=None):
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; {args.ckpt} holds a "
                         f"{ckpt['kind']} model")
-    stray = sorted(key for key in args.given if method not in USED_BY.get(key, (method,)))
+    stray = ["--" + key.replace("_", "-") for key in sorted(args.given) if method not in USED_BY.get(key, (method,))]
     if stray:
-        raise UserError(f"{', '.join('--' + key.replace('_', '-') for key in stray)} "
-                        f"do{'es' if len(stray) == 1 else ''} not apply to --method {method}; drop "
-                        f"{'it' if len(stray) == 1 else 'them'}")
+        raise UserError(f"{', '.join(stray)} do{'es' if len(stray) == 1 else ''} not apply to --method {method}; "
+                        f"drop {'it' if len(stray) == 1 else 'them'}")
     moe = ckpt["kind"] in MOE_KINDS
     if args.compile and moe:
         raise UserError("--compile does not cover mixture-of-experts checkpoints (their routing has no fixed shapes)")
-    if args.routing and not moe:
-        raise UserError(f"--routing needs a mixture-of-experts checkpoint; {args.ckpt} holds a {ckpt['kind']} model")
-    if args.routing:
-        from tinydiff.dmoe import set_routing
-        set_routing(model, args.routing)
-    if moe:
-        from tinydiff.bench.moe_stats import moe_stats, reset_stats
+    if moe or args.routing:  # --routing on a dense model is refused there
+        from tinydiff.bench.moe_stats import moe_stats, reset_stats, routing_from_flags
+        routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing)
         reset_stats(model)
-    tokenizer, prompt = encode_prompt(args.prompt)
-    generator = torch.Generator(args.device).manual_seed(args.seed)
-    if args.temperature is None:
-        args.temperature = 0.0 if method in DIFFUSION else 0.8
-    animate = method in DIFFUSION and sys.stdout.isatty() and not args.json  # on a terminal: watch the canvas
-    args.compiled, args.view = [], CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None
+    (tokenizer, prompt), generator = encode_prompt(args.prompt), torch.Generator(args.device).manual_seed(args.seed)
+    args.temperature = (0.0 if method in DIFFUSION else 0.8) if args.temperature is None else args.temperature
+    animate = method in DIFFUSION and sys.stdout.isatty() and not (args.json or args.html)  # on a terminal: watch it
+    view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None  # the sampler's callback
+    args.compiled, args.view = [], Recorder(method, tokenizer, prompt, args.prompt, model) if args.html else view
     ids, result = decode(method, model, prompt, args, generator)
-    if args.view:
+    if animate:
         args.view.clear()  # the final text, cut at the story's end, replaces the last frame
     stats = result.row() | (moe_stats(model) if moe else {})
     if args.compile:  # seconds (and tokens_per_s) include it: the first call of each step compiles it
         from tinydiff.fast.compiled import compile_seconds
         stats["compile_seconds"] = compile_seconds(args.compiled)
+    if args.html:
+        stats["page"] = args.view.write(args.html)
     print_story(args, tokenizer, prompt, ids, stats)
 
 

@@ -9,12 +9,16 @@ proposes a token for every masked position with a confidence, and the sampler co
 confident ones in the current block. With a trained checkpoint the text is a story; without one
 (an untrained model) the words are noise but every rule is the same.
 """
+import os
+import tempfile
+
 import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 
 from tinydiff.extras.self_correction import generate_revising
 from tinydiff.model import Transformer, preset
 from tinydiff.sampler import commit_schedule, generate
 from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.tools.replay import Recorder
 
 args = common.setup(__doc__, "an untrained model, fewer tokens",
                     ckpt=(["out/mdlm-tiny/ckpt.pt", "out/tour-mdlm/ckpt.pt"], "a masked-diffusion checkpoint"))
@@ -52,3 +56,10 @@ print("\n3. Self-correction: once a block is full, re-mask its least confident t
 print("   again, now that the whole block is in view. Two extra forwards per block here.")
 show("   revise 2 (tinydiff/extras/self_correction.py):", generate_revising, gen_length=n, steps=n,
      block_length=n // 2, revise=2)
+
+print("\n4. See it: run 1 again, every step recorded by the sampler's callback, written as one page that replays")
+print("   it (tinydiff/tools/replay.py; `python generate.py ... --html FILE` does the same for any method):")
+recorder = Recorder("diffusion", tok, prompt, "Once upon a time")
+generate(model, prompt, gen_length=n, steps=n // 2, block_length=n // 2, callback=recorder)
+page = os.path.abspath(recorder.write(os.path.join(tempfile.gettempdir(), "tinydiff-lesson05.html"), overwrite=True))
+print(f"   open {page} in any browser: play, step, or drag the slider over the {len(recorder.steps)} steps")

@@ -13,6 +13,9 @@ nodes on the likeliest continuations under those distributions, lays them out as
 them all in one target forward, with a mask that lets each node see only its own ancestors. When the
 drafter's favourite is wrong but its second guess is right, the tree still gets there.
 """
+import os
+import tempfile
+
 import common  # lessons/common.py: the repository on sys.path, the flags, one thread, the seed
 import torch
 
@@ -22,6 +25,7 @@ from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_generate, draft_
 from tinydiff.extras.ddtree_sampled import build_sampled_tree, follow_sampled_tree
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.tools.replay import Recorder
 
 args = common.setup(__doc__, "a tiny random target, fewer tokens", needs={"drafter": "target"},
                     target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target"),
@@ -150,3 +154,10 @@ with torch.no_grad():
     print("   Either way the committed token is a sample of p (tests/extras/test_ddtree_sampled.py proves it). On the")
     print("   T = 1 drafter of docs/LOG.md, 32-node trees go from tau 2.13 to 3.69 (`python -m")
     print("   tinydiff.extras.ddtree_sampled`; the bench's ddtree-n32-reject row).")
+
+print("\n7. See it: a greedy DDTree run, every round's tree and the path the target followed, recorded by the")
+print("   loop's on_round and written as one page that replays it (tinydiff/tools/replay.py; generate.py --html):")
+recorder = Recorder("ddtree", tok, prompt, tok.decode(prompt[1:]))
+ddtree_generate(target, drafter, prompt, 32, budget=16, temperature=0, stop_token=None, on_round=recorder)
+page = os.path.abspath(recorder.write(os.path.join(tempfile.gettempdir(), "tinydiff-lesson10.html"), overwrite=True))
+print(f"   open {page} in any browser: {len(recorder.steps)} rounds, each tree drawn with its path")

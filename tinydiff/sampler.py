@@ -158,7 +158,7 @@ def block_causal_mask(block_ids):
 
 
 class Trace:
-    """Counts forwards and reports every step to an optional callback(event dict)."""
+    """Counts forwards and reports every step to an optional callback(event dict; confidences: read it at once)."""
 
     def __init__(self, callback):
         self.callback, self.forwards, self.start = callback, 0, time.perf_counter()
@@ -182,7 +182,7 @@ def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_s
         count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
         committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking, generator,
                            confidences, entropy_bound)
-        trace.step(canvas, b, committed)
+        trace.step(canvas, b, committed, confidences=confidences)
         step += 1
 
 
