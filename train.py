@@ -90,10 +90,15 @@ def make_optimizer(model, run: dict):
 
 def compile_step(model):
     """torch.compile what a training step runs, traced at its first step (nanoGPT's default on a GPU):
-    the model's forward and its backward; a drafter's layers (its loss calls `hidden`) and its frozen target."""
+    the model's forward and its backward; a drafter's layers (its loss calls `hidden`) and its frozen target;
+    an MoE model's attention (the experts' loop gives each expert as many rows as the router sends it: traced,
+    it would compile again for every count)."""
     if hasattr(model, "target"):  # a DFlash drafter or an EAGLE-3 head
         model.target.compile()
         model.hidden = torch.compile(model.hidden)
+    elif any(hasattr(module, "router") for module in model.modules()):
+        for block in model.blocks:
+            block.attn.compile()
     else:
         model.compile()
 
@@ -263,7 +268,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
             skipped = f" | skipped {precision.skipped}" if precision.dtype == "fp16" else ""  # fp16's inf steps
             bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
             if ranks.main and (step % run["eval_every"] == 0 or step == run["max_steps"]):
-                with torch.compiler.set_stance("force_eager"):  # other shapes, no gradients: not worth graphs
+                with torch.compiler.set_stance("force_eager") if compiled else nullcontext():  # not worth graphs
                     stats = evaluate(model, loss_fn, val_windows, run["batch_size"], precision.autocast)
                     story = sample_story(model, run["model"], tokenizer, run["seed"])
                 bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())

@@ -172,7 +172,6 @@ def switch_balance(probs, experts, n_experts: int):
     return n_experts * (f * P).sum()
 
 
-@torch.compiler.disable  # how many rows each expert gets is data: compiled code would recompile per count
 def dispatch(flat, mix, chosen, n_experts: int, run_expert):
     """sum_j mix[:, j] * expert chosen[:, j] (flat) for tokens flat (N, D), mixing weights and expert ids
     (N, k): a loop over experts, run_expert(e, rows (n_e, D)) -> (n_e, D); an expert no token chose
