@@ -12,6 +12,7 @@ The settings a learner uses (the rest: `python train.py --help`):
     --max-steps N --batch-size B --lr LR --warmup N             the schedule: warmup, then a cosine to lr/10
     --out DIR --resume          the run folder (OUT/ckpt.pt); continue it where it stopped
     --device cpu | cuda  --dtype auto | fp32 | bf16 | fp16   where and in what precision
+    --compile | --no-compile    torch.compile the step (default: on CUDA, off on a CPU)
 
 This file is the loop: batch, forward, loss, backward, clip, step, evaluate, sample, checkpoint.
 What it calls lives in tinydiff/train/: the settings, their checks and resume (run_config.py), the
