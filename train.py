@@ -242,7 +242,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
     with StopOnSignal() as stop, closing(bar):  # closed on any exit, so an error's line is the last one
         tokens_per_step = run["batch_size"] * model.config.context
         steps_timed, seconds = 0, 0.0  # this process's training steps, evaluation and compiling excluded
-        compiling = 0.0 if compiled else None  # a compiled model's first step traces and compiles it
+        compiling = None  # seconds of a compiled model's first step, which traces and compiles it
         model.train()
         while step < run["max_steps"]:
             t0 = time.perf_counter()
@@ -259,7 +259,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
             except torch.OutOfMemoryError:
                 raise UserError(out_of_memory(run, device, out, saved)) from None
             step += 1
-            if compiling == 0.0:
+            if compiled and compiling is None:
                 compiling = time.perf_counter() - t0
                 bar.write(f"compiled the training step in {compiling:.1f} s (its first step, left out of tok/s)")
             else:
@@ -284,7 +284,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
                       f"python train.py --out {out} --resume")
                 return
     rate = f" at {steps_timed * tokens_per_step / seconds:,.0f} tok/s" if steps_timed else ""
-    rate += f", compiling {compiling:.0f} s apart" if compiling else ""
+    rate += f", compiling {compiling:.0f} s apart" if compiling is not None else ""
     print(f"done: {step} steps ({steps_timed} in {seconds:.0f} s{rate}), checkpoint {out / 'ckpt.pt'} | "
           + peak_memory(device))
 
