@@ -1,4 +1,4 @@
-"""DFlash: a block-diffusion drafter that drafts a whole block in one forward; its loss and its loop.
+"""DFlash: a block-diffusion drafter that drafts a whole block in one forward, and its loop.
 
 Paper: "DFlash: Block Diffusion for Flash Speculative Decoding" (2026); reference code z-lab/dflash.
 The drafter is a few Transformer layers of its own around the target's *frozen* embedding and tied
@@ -6,11 +6,9 @@ head (read through `.detach()`). It fills a block `[last committed token, MASK x
 bidirectional forward, slot k predicting the token at position start + k, reading the target's
 hidden states: the outputs of blocks `feature_layers(L, N)`, concatenated, Linear(N*D -> D), RMSNorm,
 one vector per committed position, which every drafter layer projects with its own k/v weights and
-reads before the block's own keys. Training: one frozen target forward per window gives the
-features; up to `anchors` random blocks per window go through ONE drafter forward under a mask (a
-block sees the context before its anchor and itself); slot k's label is the token at anchor + k,
-weighted exp(-(k-1)/g). Each decoding round (both caches holding the committed sequence but its last
-token):
+reads before the block's own keys.
+Training (random anchors' blocks packed in one forward, slot k weighted exp(-(k-1)/g)): train/drafter_losses.py.
+Each decoding round (both caches holding the committed sequence but its last token):
   1. draft:  the drafter fills the block in ONE forward; the drafts are its argmax;
   2. verify: the target reads [last token, d_1..d_K] in ONE forward, which also gives the features;
   3. match:  the target samples y_0..y_K from its own warped distributions; drafts are kept while
@@ -28,12 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, wide
-from tinydiff.sampling import check_warp_args, next_token_probs, sample, tempered_ce
+from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
+from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE
 
@@ -245,108 +242,6 @@ def draft_block(drafter: DFlashDrafter, cache: KVCache, last_token: int, hidden=
     B = block_size or drafter.config.block_size
     ctx_k, ctx_v, mask = cache.past(B)  # every row, the valid ones shown
     return drafter(block_input(last_token, B, cache.k[0].device), cache.rows(B), ctx_k, ctx_v, mask)[0, 1:]
-
-
-# ---- training: every block of a window in one drafter forward
-
-def training_mask(anchors, block_size: int, T: int):
-    """(Bw, A*B, T + A*B) bool for anchors (Bw, A): columns are the T context positions, then A blocks of B
-    slots; a block's rows see the context strictly before its anchor and their own block, nothing else."""
-    A = anchors.shape[1]
-    row_anchor = anchors.repeat_interleave(block_size, 1)  # (Bw, A*B)
-    sees_context = torch.arange(T, device=anchors.device) < row_anchor[..., None]  # (Bw, A*B, T)
-    blocks = torch.arange(A * block_size, device=anchors.device) // block_size
-    sees_block = (blocks[:, None] == blocks[None, :]).expand(len(anchors), -1, -1)  # (Bw, A*B, A*B)
-    return torch.cat([sees_context, sees_block], -1)
-
-
-LOSS_ROWS = 512  # rows a loss reads at once: each holds a few vectors of 50,258 floats (~0.2 MB each in float32)
-
-
-def checkpointed_chunks(fn, rows_each: int, *tensors) -> list:
-    """[fn(*chunk) for chunks of tensors along dim 0], a chunk about LOSS_ROWS rows of rows_each each, its graph
-    run again in the backward (activation checkpointing): a loss over 50,258-wide logits holds one chunk's
-    logits at a time, not the batch's."""
-    n = max(1, LOSS_ROWS // rows_each)
-    return [checkpoint(fn, *(t[i:i + n] for t in tensors), use_reentrant=False) for i in range(0, len(tensors[0]), n)]
-
-
-def packed_hidden(drafter: DFlashDrafter, windows, anchors):
-    """The drafter's hidden states (Bw, A, B-1, D) for the blocks at anchors (Bw, A) of windows (Bw, T), and the
-    target's last residual stream (Bw, T, D): one frozen target forward for the features, ONE drafter forward
-    for all blocks. No logits: at 50,258 a row, dflash_loss reads them a chunk of windows at a time."""
-    (Bw, T), A, B = windows.shape, anchors.shape[1], drafter.config.block_size
-    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
-        _, hidden = drafter.target(windows, causal=True, head_from=T,
-                                   hidden_layers=[*drafter.config.taps, drafter.config.target_layers])
-    last = hidden.pop()
-    kv = drafter.context_kv(drafter.features(hidden), torch.arange(T, device=windows.device))
-    pos = (anchors[..., None] + torch.arange(B, device=windows.device)).flatten(1)  # (Bw, A*B)
-    block = windows.gather(1, pos).view(Bw, A, B)
-    block[:, :, 1:] = MASK  # [token at anchor, MASK x (B-1)] per block
-    mask = training_mask(anchors, B, T)[:, None]  # (Bw, 1, A*B, T + A*B): shared by heads
-    h = drafter.hidden(block.flatten(1), pos, [k for k, _ in kv], [v for _, v in kv], mask)  # (Bw, A*B, D)
-    return h.view(Bw, A, B, -1)[:, :, 1:], last  # slot 0 holds the anchor's token: no prediction
-
-
-def packed_logits(drafter: DFlashDrafter, windows, anchors):
-    """packed_hidden's logits: the drafter's (Bw, A, B-1, V) and the target's (Bw, T, V)."""
-    h, last = packed_hidden(drafter, windows, anchors)
-    with torch.no_grad():
-        target_logits = drafter.target.logits(last)
-    return drafter.logits(h), target_logits
-
-
-def sample_anchors(batch: int, T: int, block_size: int, anchors: int, generator=None, device=None):
-    """min(anchors, T - B) distinct random anchors per window in [1, T - B], (batch, A): from 1, every block
-    has context; up to T - B, its last slot's label is still in the window."""
-    A = min(anchors, T - block_size)
-    return torch.rand(batch, T - block_size, generator=generator, device=device).argsort(-1)[:, :A] + 1
-
-
-def block_loss(drafter: DFlashDrafter, windows, anchors, logits, target_logits, temperature: float | None = None):
-    """The weighted block CE of logits (Bw, A, B-1, V) at anchors (Bw, A) of windows (Bw, T), and its stats."""
-    (Bw, A), B = anchors.shape, drafter.config.block_size
-    positions = (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
-    labels = windows.gather(1, positions).view(Bw, A, B - 1)
-    if logits.shape[-1] > MASK:  # never a label, never drafted: keep no mass on it
-        logits[..., MASK] = float("-inf")
-    if temperature is None:
-        ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
-    else:  # the target's distribution for slot k's position, predicted from the position before it
-        V = target_logits.shape[-1]
-        predicted = target_logits.gather(1, (positions - 1)[..., None].expand(-1, -1, V))  # (Bw, A*(B-1), V)
-        ce = tempered_ce(logits, predicted.view(Bw, A, B - 1, V), temperature)
-    ce = ce.view(Bw, A, B - 1)
-    w = torch.exp(-torch.arange(B - 1, device=windows.device, dtype=ce.dtype) / drafter.config.loss_decay)
-    loss = (ce * w).sum(-1).mean() / w.sum()  # slot k weighted exp(-(k-1)/g): nats per token whatever B is
-    correct = (logits.argmax(-1) == labels).long()  # (Bw, A, B-1)
-    return loss, {"ce": loss.detach(), "acc": correct[..., 0].float().mean(),
-                  "tau_proxy": 1 + correct.cumprod(-1).sum(-1).float().mean()}
-
-
-def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
-    """Weighted block CE on windows (Bw, T) of clean text: (loss, stats). Labels: the text's tokens, or with
-    a `temperature` the target's distribution (sampling.tempered_ce). stats: ce, acc (slot 1's argmax right),
-    tau_proxy (1 + the mean run of leading correct slots: greedy tau if the target's picks were the text).
-    Memory: the logits of a few windows at a time (checkpointed_chunks), made again in the backward:
-    a window of 256 tokens reads 32 blocks x 15 slots of 50,258 logits, 97 MB in float32."""
-    B = drafter.config.block_size
-    if windows.shape[1] < B + 1:
-        raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
-    Bw = len(windows)
-    anchors = sample_anchors(Bw, windows.shape[1], B, drafter.config.anchors, generator, windows.device)
-    hidden, last = packed_hidden(drafter, windows, anchors)  # (Bw, A, B-1, D), (Bw, T, D)
-
-    def chunk_loss(h, last, windows, anchors):  # summed over a chunk's windows (checkpointed_chunks)
-        with torch.no_grad():
-            target_logits = None if temperature is None else drafter.target.logits(last)  # (b, T, V)
-        loss, stats = block_loss(drafter, windows, anchors, drafter.logits(h), target_logits, temperature)
-        return loss * len(windows), {k: v * len(windows) for k, v in stats.items()}
-
-    parts = checkpointed_chunks(chunk_loss, anchors.shape[1] * (B - 1), hidden, last, windows, anchors)
-    loss = sum(part for part, _ in parts) / Bw
-    return loss, {"ce": loss.detach(), **{k: sum(stats[k] for _, stats in parts) / Bw for k in ("acc", "tau_proxy")}}
 
 
 # ---- decoding

@@ -1,4 +1,4 @@
-"""EAGLE-3: a one-layer draft head that reads the target's features; its training-time-test loss and its loop.
+"""EAGLE-3: a one-layer draft head that reads the target's features, and its loop.
 
 Paper: Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test" (reference code SafeAILab/EAGLE); the dynamic tree is EAGLE-2's (Li et al. 2024).
@@ -11,9 +11,7 @@ row t reads [embedding of token t+1, a feature of position t] at position t+1 an
             hidden state of step i-1 instead, with the token it drafted there;
   input     `Linear(2D -> D)` on [RMSNorm(embedding), RMSNorm(feature)], then one causal block over
             explicit keys/values (dflash.ExtraKVBlock); committed rows' K/V sit in a KVCache;
-  training  "training-time test": the head unrolled K steps on its own features, each step's rows
-            attending to exactly the keys the matching draft step sees at inference (`unroll_mask`),
-            step i's loss weighted 0.8^i, against the target's own next-token distribution.
+  training  the "training-time test" (unrolled K steps on its own features): train/drafter_losses.py.
 Decoding, each round with committed seq (S tokens), both caches holding seq[:-1] and `ready` the
 head's logits for token S and the hidden state that goes with them:
   chain     d_1 ~ warp(ready); draft j >= 2 reads [d_{j-1}, the hidden of step j-1]: k-1 head forwards.
@@ -35,13 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinydiff import dflash
 from tinydiff.ar import check_prompt
 from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
 from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, wide
-from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table
+from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample
 from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, VOCAB_SIZE
 
@@ -148,89 +145,6 @@ class EagleHead(nn.Module):
         cache.write(0, cache.rows(T), k, v)
         cache.advance(T)
         return logits[0, -1], h[0, -1]
-
-
-def unroll_mask(T: int, step: int, device=None):
-    """Who row r of unroll step i may attend to: (T, (i+1)T) bool over [step 0 | step 1 | ... | step i].
-
-    Row r at step i is draft step i+1 after the committed row c = r - i: as at inference it sees
-    step 0's rows 0..c (the committed rows, read with target features) and from each step m = 1..i
-    the single row c + m (the m-th draft row of its own chain; m = i is the row itself). Rows r < i
-    have no committed row; they see only themselves and feed no loss.
-    """
-    r, c = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None]
-    anchored = r >= step
-    return torch.cat([c <= r - step] + [(c == r - step + m) & (anchored | (m == step)) for m in range(1, step + 1)], 1)
-
-
-def unrolled_hidden(head: EagleHead, windows, steps: int):
-    """The head unrolled `steps` steps on windows (Bw, T): its hidden states, (Bw, steps, T-1, D) (row r's
-    logits predict token r+2), and the target's last residual stream (Bw, T, D), one frozen target forward.
-    No logits: at 50,258 a row, eagle_loss reads them a chunk of rows at a time."""
-    Bw, T = windows.shape
-    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
-        _, hidden = head.target(windows, causal=True, head_from=T,
-                                hidden_layers=[*head.config.feature_layers, head.config.target_layers])
-    tokens, pos, last = windows[:, 1:], torch.arange(1, T, device=windows.device), hidden.pop()  # row r reads token r+1
-    features = head.fused([h[:, :-1] for h in hidden])  # (Bw, T-1, D): row r's is position r's
-    D, H = head.config.d_model, head.config.n_head
-    past_k = past_v = features.new_zeros(Bw, H, 0, D // H)
-    out = []
-    for i in range(steps):
-        h, k, v = head.hidden(tokens, features, pos, past_k, past_v, unroll_mask(T - 1, i, windows.device))
-        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (Bw, H, (i+1)(T-1), D/H)
-        out.append(h)
-        features = F.pad(h[:, :-1], (0, 0, 1, 0))  # row r's next feature: row r-1's hidden (row 0: none)
-    return torch.stack(out, 1), last  # (Bw, steps, T-1, D)
-
-
-def unrolled_logits(head: EagleHead, windows, steps: int):
-    """unrolled_hidden's logits: the head's per step, steps x (Bw, T-1, V), and the target's (Bw, T, V)."""
-    hidden, last = unrolled_hidden(head, windows, steps)
-    with torch.no_grad():
-        target_logits = head.target.logits(last)
-    return list(head.logits(hidden).unbind(1)), target_logits
-
-
-def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature: float = 1.0):
-    """Training-time-test distillation loss on windows (Bw, T); returns (loss, stats).
-
-    loss = sum_i w_i CE_i / sum_i w_i, w_i = step_decay^i over steps i = 0..K-1 (K = steps, default
-    config.steps_ahead), CE_i the mean over rows r >= i of the cross-entropy of step i's row r
-    against the target's distribution for token r+2, both read at `temperature` (1 by default,
-    --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
-    one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
-    (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
-    row: the greedy tau at k = K if the target's picks were the data).
-    Memory: the logits of a few windows at a time (dflash.checkpointed_chunks), made again in the
-    backward, so the batch's (Bw, K, T-1, V) logits never exist at once.
-    """
-    K = head.config.steps_ahead if steps is None else steps
-    if not isinstance(K, int) or K < 1:
-        raise UserError(f"steps (unrolled draft steps) must be an integer >= 1, got {K!r}")
-    Bw, T = windows.shape
-    if T < K + 1:
-        raise UserError(f"windows of {T} tokens are too short to unroll {K} steps; use windows of >= {K + 1}")
-    hidden, last = unrolled_hidden(head, windows, K)  # (Bw, K, T-1, D), (Bw, T, D)
-    w = torch.tensor([head.config.step_decay ** i for i in range(K)], dtype=torch.float64)
-    rows = torch.arange(T - 1)
-    weight = torch.stack([(rows >= i) * wi / (w.sum() * Bw * (T - 1 - i)) for i, wi in enumerate(w)])  # (K, T-1)
-    weight = weight.to(windows.device, wide(hidden.dtype))  # row r >= i's share of step i's mean
-
-    def chunk_loss(hidden, last):  # a few windows' share of the loss (dflash.checkpointed_chunks)
-        with torch.no_grad():
-            p = next_token_probs(head.target.logits(last[:, 1:]), temperature)  # (b, T-1, V): for token r+2
-        logits = head.logits(hidden)  # (b, K, T-1, V)
-        loss = (soft_ce(logits / temperature, p[:, None]) * weight).sum()
-        return loss, draftable(logits.detach()).argmax(-1) == p[:, None].argmax(-1)  # (b, K, T-1)
-
-    parts = dflash.checkpointed_chunks(chunk_loss, K * (T - 1), hidden, last)
-    loss = sum(part for part, _ in parts)
-    correct = torch.cat([right for _, right in parts]).transpose(0, 1)  # (K, Bw, T-1)
-    runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain
-    acc_last = correct[-1, :, K - 1:].float().mean()  # step K-1's rows that have a committed row
-    return loss, {"ce": loss.detach(), "acc": correct[0].float().mean(), "acc_last": acc_last,
-                  "tau_proxy": 1 + runs.cumprod(0).sum(0).float().mean()}
 
 
 def committed_kv(cache):

@@ -2,9 +2,10 @@
 
 The DFlash and EAGLE-3 recipes (their default configs: 32 anchors of 16-token blocks; 3 unrolled steps) read
 a row of 50,258 logits per drafted slot: a batch's at once was 11.8 GB (dflash) and 14-15 GB (eagle3) of
-resident memory at `--preset tiny` (docs/LOG.md). dflash.checkpointed_chunks reads LOSS_ROWS rows at a time
-and makes them again in the backward. The AR and MDLM recipes (6.1 GB) train with train/fused_loss.py, which
-forms ROWS rows' loss and gradients at a time; its one-piece contrast is the core's loss (ar.py, diffusion.py).
+resident memory at `--preset tiny` (docs/LOG.md). train/drafter_losses.py's checkpointed_chunks reads LOSS_ROWS
+rows at a time and makes them again in the backward. The AR and MDLM recipes (6.1 GB) train with
+train/fused_loss.py, which forms ROWS rows' loss and gradients at a time; its one-piece contrast is the core's
+loss (ar.py, diffusion.py).
 Measured in a fresh process by its peak resident memory after a loss and backward of 1, 2, then 8 windows of
 32 tokens on a tiny target, in chunks of one window (the drafters) or 8 rows: 8 windows after 2 add only their
 narrow activations; the same in one piece (after them) adds 6 windows' logits at once. The peak is Linux's
@@ -23,7 +24,7 @@ import pytest
 
 PEAK = """
 import json, re, sys, torch
-from tinydiff import dflash
+from tinydiff.train import drafter_losses
 torch.set_num_threads(1)
 sys.path.insert(0, "tests")
 from stats_helpers import random_model
@@ -38,14 +39,16 @@ if kind in ("ar", "mdlm"):  # the fused loss, 8 rows a chunk (2 windows' masked 
     losses = {"chunked": getattr(fused_loss, f"{kind}_loss"), "whole": ar_loss if kind == "ar" else mdlm_loss}
 else:  # a window a chunk; then the batch in one piece
     if kind == "dflash":
-        from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss as loss_fn
+        from tinydiff.dflash import DFlashConfig, DFlashDrafter
+        from tinydiff.train.drafter_losses import dflash_loss as loss_fn
         model = DFlashDrafter(DFlashConfig.for_target(target.config), target)
     else:
-        from tinydiff.eagle3 import EagleConfig, EagleHead, eagle_loss as loss_fn
+        from tinydiff.eagle3 import EagleConfig, EagleHead
+        from tinydiff.train.drafter_losses import eagle_loss as loss_fn
         model = EagleHead(EagleConfig.for_target(target.config), target)
     def rows(n):
         def loss(*args):
-            dflash.LOSS_ROWS = n
+            drafter_losses.LOSS_ROWS = n
             return loss_fn(*args)
         return loss
     losses = {"chunked": rows(1), "whole": rows(10 ** 9)}

@@ -24,11 +24,12 @@ import torch.nn as nn
 
 from tinydiff.checks import COUNT, Rule, UserError
 from tinydiff.ddtree import Tree, best_first, check_tree_args, ddtree_generate, draft_logprobs
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, block_loss, dflash_generate, packed_logits, sample_anchors
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_generate
 from tinydiff.io.checkpoint import AR_KINDS, dflash_config, load_checkpoint, rebuild_around
 from tinydiff.io.checkpoint import drafter_from as plain_drafter_from
 from tinydiff.io.cli import run_main, story_parser, write_story
 from tinydiff.sampling import next_token_probs, sample
+from tinydiff.train.drafter_losses import block_loss, packed_logits, sample_anchors
 
 RANK = Rule(integer=True, lo=0, hi=4096)  # a Markov head's rank, 0 = none
 
