@@ -9,7 +9,7 @@ drafts disagree with its earlier ones. DSpark adds a cheap low-rank bias from th
 where x_0 is the newest committed token (the block's slot 0) and x_{k-1} the draft at slot k-1. The
 drafter still runs ONE forward per block; the drafts then come left to right through the head alone,
 a lookup and an (r x V) product per slot (`draft_left_to_right`). Training teaches W1, W2 beside the
-drafter with the text's own previous token (teacher forcing, `markov_loss`). W2 starts at zero, so a
+drafter with the text's own previous token (teacher forcing, train/drafter_losses.py's `markov_loss`). W2 starts at zero, so a
 new head is plain DFlash until training moves it, and a head of rank 0 or with W2 = 0 is exactly plain
 DFlash (the tests hold both).
 Built from the core's pieces: `MarkovDrafter` is a DFlashDrafter with the head; its drafts go into
@@ -29,7 +29,6 @@ from tinydiff.io.checkpoint import AR_KINDS, dflash_config, load_checkpoint, reb
 from tinydiff.io.checkpoint import drafter_from as plain_drafter_from
 from tinydiff.io.cli import run_main, story_parser, write_story
 from tinydiff.sampling import next_token_probs, sample
-from tinydiff.train.drafter_losses import block_loss, packed_logits, sample_anchors
 
 RANK = Rule(integer=True, lo=0, hi=4096)  # a Markov head's rank, 0 = none
 
@@ -101,20 +100,6 @@ def markov_drafts(drafter, logits, first_token, warp_args, generator=None, sampl
                 next_token_probs(row, 0).argmax()
         drafts, rows = draft_left_to_right(head, logits, first_token, pick)
     return drafts, next_token_probs(rows, *warp_args) if sampled else None
-
-
-def markov_loss(drafter: MarkovDrafter, windows, generator=None, temperature: float | None = None):
-    """dflash_loss with slot k's logits biased by the text's token at k - 1 (teacher forcing)."""
-    B = drafter.config.block_size
-    if windows.shape[1] < B + 1:
-        raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
-    Bw, T = windows.shape
-    anchors = sample_anchors(Bw, T, B, drafter.config.anchors, generator, windows.device)  # (Bw, A)
-    logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V)
-    if getattr(drafter, "markov", None) is not None:
-        previous = (anchors[..., None] + torch.arange(B - 1, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
-        logits = logits + drafter.markov(windows.gather(1, previous).view(logits.shape[:-1])).to(logits.dtype)
-    return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
 
 
 @torch.no_grad()

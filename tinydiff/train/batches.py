@@ -13,7 +13,7 @@ from tinydiff.checks import UserError
 from tinydiff.data import eval_windows, load_tokens, sample_windows
 from tinydiff.dmoe import mdlm_moe_loss
 from tinydiff.io.tokens import tokens_digest
-from tinydiff.train.drafter_losses import dflash_loss, eagle_loss
+from tinydiff.train.drafter_losses import dflash_loss, eagle_loss, markov_loss
 from tinydiff.train.fused_loss import ar_loss, diffusion_loss
 from tinydiff.train.run_config import DRAFTERS
 from tinydiff.train.run_model import load_target
@@ -48,7 +48,6 @@ def training_data(run: dict, model, out, token_paths, device):
     """(loss, draw(step) -> batch, validation batch) for the run."""
     loss_fn, extra = OBJECTIVES[run["model"]]
     if getattr(model.config, "markov_rank", 0):  # slot k's logits biased by the token before it (DSpark's head)
-        from tinydiff.extras.markov_head import markov_loss
         loss_fn = markov_loss
     train_tokens, val_tokens = (load_tokens(p) for p in token_paths)
     temperature = run["draft_temperature"]  # None: greedy stories, hard labels

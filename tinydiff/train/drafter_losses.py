@@ -131,6 +131,21 @@ def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: fl
     return loss, {"ce": loss.detach(), **{k: sum(stats[k] for _, stats in parts) / Bw for k in ("acc", "tau_proxy")}}
 
 
+def markov_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
+    """dflash_loss for DSpark's Markov head (extras/markov_head.py's MarkovDrafter, its head at `drafter.markov`):
+    slot k's logits biased by the text's token at k - 1 (teacher forcing). Not chunked: its runs are small."""
+    B = drafter.config.block_size
+    if windows.shape[1] < B + 1:
+        raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {B}; use >= {B + 1}")
+    Bw, T = windows.shape
+    anchors = sample_anchors(Bw, T, B, drafter.config.anchors, generator, windows.device)  # (Bw, A)
+    logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V)
+    if getattr(drafter, "markov", None) is not None:
+        previous = (anchors[..., None] + torch.arange(B - 1, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
+        logits = logits + drafter.markov(windows.gather(1, previous).view(logits.shape[:-1])).to(logits.dtype)
+    return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
+
+
 # ---- EAGLE-3: the training-time test, the head unrolled on its own features
 
 def unroll_mask(T: int, step: int, device=None):
