@@ -211,7 +211,7 @@ def test_a_moe_checkpoint_decodes_with_its_saved_routing(ckpt, tmp_path):
                                  (tmp_path / "moe.pt", ["--routing", "block"], "unrecognized arguments: --routing"),
                                  (tmp_path / "moe.pt", ["--method", "diffusion-cached", "--compile"],
                                   "not cover mixture-of-experts"),
-                                 (ckpt, ["--threshold", 0.9], "--block-length, --threshold do not apply to --method ar")):
+                                 (ckpt, ["--threshold", 0.9], "--threshold do not apply to --method ar")):
         res = run("--ckpt", path, *common, *flags)
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
 
