@@ -43,7 +43,7 @@ DIFFUSION = ("diffusion", "diffusion-cached")
 USED_BY = {"top_k": AR_FAMILY, "top_p": AR_FAMILY, "draft": tuple(DRAFT_KINDS), "k": tuple(DRAFT_KINDS),
            "budget": ("ddtree", "eagle3"), "html": (*DRAFT_KINDS, *DIFFUSION),  # every method but ar: a token a forward
            "compile": ("ar", "spec", "dflash", "ddtree", "eagle3", "diffusion-cached"),
-           **{key: DIFFUSION for key in ("steps", "block_length", "threshold", "entropy_bound", "routing")}}
+           **{key: DIFFUSION for key in ("steps", "block_length", "threshold", "entropy_bound")}}
 
 
 def parse_args(argv=None):
@@ -66,8 +66,6 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=MASS, help="diffusion: commit every position this confident (Fast-dLLM)")
     p.add_argument("--entropy-bound", type=NATS, help="diffusion: commit the most confident run whose entropies, "
                    "less the largest, sum to at most this many nats (EB-Sampler)")
-    p.add_argument("--routing", choices=["token", "block"], help="mdlm-moe: expert routing (default: the "
-                   "checkpoint's)")
     p.add_argument("--html", metavar="FILE", help="also write a page that replays the run step by step, any browser")
     args = p.parse_args(argv)
     args.given = given_flags(p, argv)
@@ -172,9 +170,8 @@ def main(argv=None):
     moe = ckpt["kind"] in MOE_KINDS
     if args.compile and moe:
         raise UserError("--compile does not cover mixture-of-experts checkpoints (their routing has no fixed shapes)")
-    if moe or args.routing:  # --routing on a dense model is refused there
-        from tinydiff.bench.moe_stats import moe_stats, reset_stats, routing_from_flags
-        routing_from_flags(model, ckpt["kind"], args.ckpt, args.routing)
+    if moe:  # it decodes with the routing it was saved with (train.py --init CKPT --routing block converts one)
+        from tinydiff.bench.moe_stats import moe_stats, reset_stats
         reset_stats(model)
     (tokenizer, prompt), generator = encode_prompt(args.prompt), torch.Generator(args.device).manual_seed(args.seed)
     args.temperature = (0.0 if method in DIFFUSION else 0.8) if args.temperature is None else args.temperature

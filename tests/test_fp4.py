@@ -282,12 +282,14 @@ def test_the_cli_writes_a_checkpoint_that_loads_as_a_quantized_model(moe_ckpt, t
     assert code == 0 and load_model(tmp_path / "nv.pt")[0].config.expert_format == "nvfp4"
 
 
-def test_generate_and_eval_take_an_fp4_checkpoint(moe_ckpt, tmp_path, story_file):
+def test_generate_and_eval_take_an_fp4_checkpoint(tmp_path, story_file):
     import generate
     from tinydiff.tools import eval as pinned
-    assert run("--ckpt", moe_ckpt, "--out", tmp_path / "fp4.pt")[0] == 0
+    block = tiny_moe(routing="block")  # saved block-routed: generate.py decodes with the checkpoint's routing
+    save_checkpoint(tmp_path / "block.pt", kind="mdlm-moe", config=block.config, model=block)
+    assert run("--ckpt", tmp_path / "block.pt", "--out", tmp_path / "fp4.pt")[0] == 0
     res = run_in_process(generate.main, "--ckpt", tmp_path / "fp4.pt", "--prompt", "Once", "--max-new-tokens", 8,
-                         "--steps", 4, "--block-length", 8, "--json", "--routing", "block")
+                         "--steps", 4, "--block-length", 8, "--json")
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)["stats"]
     assert stats["routing"] == "block" and stats["expert_bytes_all"] == 2 * 5 * 3 * 64 * 64 * 4.25 / 8

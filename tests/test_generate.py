@@ -193,20 +193,25 @@ def test_diffusion_bad_input_is_one_line(mdlm_ckpt, args, message):
     assert message in res.stderr.strip().splitlines()[-1]
 
 
-def test_routing_flags_on_a_moe_checkpoint(ckpt, tmp_path):
-    from tinydiff.dmoe import MoETransformer, moe_config
+def test_a_moe_checkpoint_decodes_with_its_saved_routing(ckpt, tmp_path):
+    """The same weights saved token- and block-routed: each decodes with its own routing (switching it at decode
+    time is the quality tool's --routing; train.py --init CKPT --routing block converts a checkpoint)."""
+    from tinydiff.dmoe import MoETransformer, moe_config, set_routing
     torch.manual_seed(4)
     moe = MoETransformer(moe_config("draft", context=32, n_experts=8, moe_top_k=2, route_block=4, route_guard=2))
     save_checkpoint(tmp_path / "moe.pt", kind="mdlm-moe", config=moe.config, model=moe)
+    set_routing(moe, "block")
+    save_checkpoint(tmp_path / "block.pt", kind="mdlm-moe", config=moe.config, model=moe)
     common = ["--prompt", "Once upon a time", "--max-new-tokens", 8, "--block-length", 4, "--json"]
     saved = json.loads(run("--ckpt", tmp_path / "moe.pt", *common).stdout)["stats"]
-    block = json.loads(run("--ckpt", tmp_path / "moe.pt", *common, "--routing", "block").stdout)
+    block = json.loads(run("--ckpt", tmp_path / "block.pt", *common).stdout)
     assert saved["routing"] == "token" and block["stats"]["routing"] == "block"
     assert block["stats"]["unique_experts_per_block"] <= saved["unique_experts_per_block"]
     for path, flags, message in ((tmp_path / "moe.pt", ["--route-guard", 3], "unrecognized arguments: --route-guard"),
+                                 (tmp_path / "moe.pt", ["--routing", "block"], "unrecognized arguments: --routing"),
                                  (tmp_path / "moe.pt", ["--method", "diffusion-cached", "--compile"],
                                   "not cover mixture-of-experts"),
-                                 (ckpt, ["--routing", "block"], "--routing do not apply to --method ar")):
+                                 (ckpt, ["--threshold", 0.9], "--threshold do not apply to --method ar")):
         res = run("--ckpt", path, *common, *flags)
         assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1]
 

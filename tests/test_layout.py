@@ -1,7 +1,8 @@
 """Spec: the core and its wings (docs/DESIGN.md). The core (tinydiff/'s top level and kernels/) imports no
 wing, and generate.py on an AR checkpoint loads the core's modules it runs and no wing but io/ (the
 checkpoint reader and the command line every entry point shares): never the variants, the fast paths,
-training, the tools or the bench. Each check runs in a fresh interpreter, where nothing is loaded yet."""
+training, the tools or the bench. Each import check runs in a fresh interpreter, where nothing is loaded yet.
+Also: the entry points stay short (generate.py's lines and flags, train.py's lines)."""
 import json
 import subprocess
 import sys
@@ -69,6 +70,19 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))"""
     assert {"tinydiff.ar", "tinydiff.model", "tinydiff.tokenizer", "tinydiff.io.checkpoint"} <= set(loaded)
     assert sorted(m for m in loaded if m not in CORE and m != "tinydiff") == sorted(PLUMBING)
     assert not {"tinydiff.speculative", "tinydiff.dflash", "tinydiff.sampler"} & set(loaded)  # only what AR runs
+
+
+def test_the_entry_points_stay_short(monkeypatch):
+    """generate.py fits in 200 lines and 20 flags (a decode-time experiment belongs to a tool: the quality tool's
+    --routing, the bench's rows), train.py in 400 lines."""
+    import generate
+    parsers = []  # the parser parse_args builds, caught where it hands it to given_flags
+    monkeypatch.setattr(generate, "given_flags", lambda parser, argv: parsers.append(parser) or set())
+    generate.parse_args(["--ckpt", "x.pt", "--prompt", "hi"])
+    flags = [a for a in parsers[0]._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) <= 20, [a.option_strings[0] for a in flags]
+    assert len((ROOT / "generate.py").read_text().splitlines()) <= 200
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 400
 
 
 def test_the_front_door_stays_short():

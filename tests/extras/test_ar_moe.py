@@ -306,6 +306,8 @@ def test_what_does_not_apply_to_an_ar_moe_is_refused_in_one_line(ar_moe_ckpt, st
         res = run_in_process(main, *args)
         assert res.returncode == 1 and message in last_line(res.stderr), res.stderr
     assert not (tmp_path / "llama").exists()
-    for routing in ("token", "block"):  # generate's --routing is the diffusion method's alone
+    for routing in ("token", "block"):  # a checkpoint decodes with its saved routing: generate.py has no --routing
         res = run_in_process(generate.main, *prompt, "--routing", routing)
-        assert res.returncode == 1 and "--routing does not apply to --method ar" in last_line(res.stderr)
+        assert res.returncode == 2 and "unrecognized arguments: --routing" in last_line(res.stderr)
+    res = run_in_process(generate.main, *prompt, "--threshold", 0.9)  # the diffusion method's flags are its alone
+    assert res.returncode == 1 and "--threshold does not apply to --method ar" in last_line(res.stderr)
