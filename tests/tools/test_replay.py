@@ -1,8 +1,8 @@
 """Spec: the replay page (tinydiff/tools/replay.py + replay.html). Recording leaves every method's tokens
 alone; the page, rendered by a real headless Chromium, shows the run's own text, one step per recorded
 event and at step i the canvas or round recorded at step i; hostile prompts stay text; bad paths are
-refused in one line before any work. The browser tests skip only where no chromium binary exists
-(.ci/run installs Debian's)."""
+refused in one line before any work. The bench's --html: each row's page replays the very tokens the row
+decoded. The browser tests skip only where no chromium binary exists (.ci/run installs Debian's)."""
 import html
 import json
 import re
@@ -18,6 +18,9 @@ from stats_helpers import random_drafter, random_model
 
 import generate
 from tinydiff import sampler
+from tinydiff.bench import methods as bench_methods
+from tinydiff.bench import table as bench
+from tinydiff.bench.measure import PROMPTS
 from tinydiff.ddtree import ddtree_generate
 from tinydiff.dflash import dflash_generate
 from tinydiff.dmoe import MoETransformer, moe_config, set_routing
@@ -244,3 +247,101 @@ def test_plain_ar_has_nothing_to_replay(checkpoints, tmp_path):
     res = run("--ckpt", checkpoints / "target.pt", "--prompt", "hi", "--html", tmp_path / "ar.html")
     assert res.returncode == 1 and "--html does not apply to --method ar" in last_line(res.stderr)
     assert not (tmp_path / "ar.html").exists()
+
+
+BENCH_ROWS = ["ar", "spec-k2", "ssd-f1", "dflash-b8", "ddtree-n8", "ddtree-n16-reject", "eagle3-tree", "diffusion-cached",
+              "diffusion-distilled-self-spec-k2", "diffusion-distilled-ar-drafted-k4", "dmoe-block"]
+LOOPS = ("ar_generate", "speculative_generate", "ssd_generate", "dflash_generate", "ddtree_generate",
+         "ddtree_sampled_generate", "eagle_generate", "generate_cached", "self_speculative_generate",
+         "ar_drafted_generate")  # every loop the rows above call, by its name in methods.py
+
+
+def page_events(path) -> dict:
+    return json.loads(html.unescape(path.read_text().split('id="events">')[1].split("</script>")[0]))
+
+
+@pytest.fixture(scope="module")
+def bench_pages(models, checkpoints, tmp_path_factory):
+    """python -m tinydiff.bench --html DIR, a row of every kind, one prompt, temperature 1, each loop the rows
+    call wrapped to keep the ids it returns: (DIR, the run, per row [its warm-up's ids, its timed prompt's])."""
+    drafter = random_drafter(models["target"], seed=6, block_size=8)  # blocks of 8: the dflash-b8 row
+    save_checkpoint(checkpoints / "drafter8.pt", kind="dflash", config=drafter.config, model=drafter)
+    decoded, folder = [], tmp_path_factory.mktemp("pages")
+
+    def keep(loop):
+        def run(*args, **kwargs):
+            ids, result = loop(*args, **kwargs)
+            decoded.append(list(ids))
+            return ids, result
+        return run
+    with pytest.MonkeyPatch.context() as patch:
+        for name in LOOPS:
+            patch.setattr(bench_methods, name, keep(getattr(bench_methods, name)))
+        ck = {name: checkpoints / f"{name}.pt" for name in ("target", "drafter8", "mdlm", "moe")}
+        res = run_in_process(bench.main, "--ckpt", ck["target"], "--draft", ck["target"], "--drafter", ck["drafter8"],
+                             "--mdlm", ck["mdlm"], "--distilled", ck["mdlm"], "--distilled-draft", ck["target"],
+                             "--moe", ck["moe"], "--methods", ",".join(BENCH_ROWS), "--prompts", 1, "--new-tokens", 16,
+                             "--temperature", 1, "--html", folder)
+    assert res.returncode == 0, res.stderr
+    assert len(decoded) == 2 * len(BENCH_ROWS)  # row by row: the untimed warm-up (recorded), the timed prompt
+    return folder, res, dict(zip(BENCH_ROWS, zip(decoded[::2], decoded[1::2])))
+
+
+def test_bench_html_pages_replay_the_tokens_each_row_decoded(bench_pages):
+    folder, res, decoded = bench_pages
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{m}.html" for m in BENCH_ROWS if m != "ar")
+    assert (f"--html: {len(BENCH_ROWS) - 1} pages in {folder}; none for ar (one token a forward: nothing to replay)"
+            in res.stdout.splitlines())
+    for method in BENCH_ROWS[1:]:
+        recorded, timed = decoded[method]
+        assert recorded == timed and len(timed) == 16  # recording changed no token of the row's decode
+        page = page_events(folder / f"{method}.html")
+        assert page["method"] == method and page["prompt"] == PROMPTS[0]
+        kind = ("tree" if method.startswith(("ddtree", "eagle3-tree")) else
+                "diffusion" if method.startswith(("diffusion", "dmoe")) else "chain")
+        assert page["kind"] == kind and (page["experts"] is not None) == method.startswith("dmoe")
+        if kind == "diffusion":  # the page's diffs rebuild the canvas the row decoded
+            canvas = [MASK] * page["length"]
+            for step in page["steps"]:
+                for i, token in step["set"]:
+                    canvas[i] = token
+            assert canvas == timed and all(len(s["conf"]) == len(s["set"]) for s in page["steps"])
+        else:
+            assert sum((s["tokens"] for s in page["steps"]), []) == timed
+        if method.startswith("ssd"):  # a round with drafts after the first (none looked up yet): did the cache hit
+            assert "cached" not in page["steps"][0] and all("cached" in s for s in page["steps"][1:] if s["drafts"])
+
+
+@browser
+def test_a_bench_page_shows_the_rows_text(bench_pages, tok, tmp_path):
+    """A self-speculative row's page (its rounds shown as diffusion steps, no confidences to show), in Chromium:
+    step 1 shows the canvas after the row's first round, the last step the text the row decoded."""
+    folder, _, decoded = bench_pages
+    path = folder / "diffusion-distilled-self-spec-k2.html"
+    page, timed = page_events(path), decoded["diffusion-distilled-self-spec-k2"][1]
+    canvas = [MASK] * 16
+    for i, token in page["steps"][0]["set"]:
+        canvas[i] = token
+    dom = render_dom(path, tmp_path, 1)
+    assert shown_canvas(dom) == canvas and "undefined" not in dom.text["info"]
+    dom = render_dom(path, tmp_path, "end")
+    story = timed[:timed.index(EOT)] if EOT in timed else timed
+    n = len(page["steps"])
+    assert dom.text["text"] == PROMPTS[0] + tok.decode(story) and dom.text["where"].endswith(f"{n} / {n}")
+
+
+@pytest.mark.parametrize("where, extra, message", [
+    ("missing", [], "missing is missing; pass an existing folder"),
+    ("file.txt", [], "file.txt is a file; pass an existing folder"),
+    ("pages", [], "spec-k2.html exists; delete it or pass another path"),
+    ("pages", ["--report", "report"], "--html writes the pages of one bench run, --report runs several")])
+def test_bench_html_refuses_a_bad_folder_in_one_line_before_any_work(tmp_path, where, extra, message):
+    (tmp_path / "file.txt").write_text("keep me")
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "spec-k2.html").write_text("keep me")
+    extra = [tmp_path / e if e == "report" else e for e in extra]
+    res = run_in_process(bench.main, "--ckpt", tmp_path / "no-such.pt", "--methods", "ar,spec-k2", "--html",
+                         tmp_path / where, *extra)  # no model read
+    assert res.returncode == 1 and message in last_line(res.stderr) and "Traceback" not in res.stderr
+    assert (tmp_path / "file.txt").read_text() == (tmp_path / "pages" / "spec-k2.html").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "pages"]

@@ -9,6 +9,8 @@ pruned head, for the -fr rows), "drafter" (the DFlash drafter),
 "eagle" (the EAGLE-3 head), "mdlm" (the diffusion LM), "distilled" (a diffusion LM distilled for
 parallel decoding) and "moe" (the mixture-of-experts diffusion LM). No
 runner stops at EOT: every method does the same work. Keys in MEANS are per-prompt means.
+Every runner whose loop reports its steps or rounds hands it `recorded(args)` as its callback or on_round:
+None, except for the one run the bench's --html records (a Recorder, tools/replay.py, that only reads).
 """
 import re
 import time
@@ -37,6 +39,21 @@ from tinydiff.speculative import draft_round, speculative_generate
 from tinydiff.ssd import geometric_fan_out, ssd_generate
 
 
+def recorded(args):
+    """The callback a decode reports its steps or rounds to: the Recorder of the one run the bench's --html
+    records (table.py sets args.record for it), else None (the loops skip it)."""
+    return getattr(args, "record", None)
+
+
+def as_steps(args, prompt, block_length: int):
+    """recorded(args) fed a block sampler's rounds (self-speculative, AR-drafted) as the diffusion steps they
+    are: the canvas after each, its block counted from the prompt's end."""
+    record = recorded(args)
+    if record is None:
+        return None
+    return lambda info: record({**info, "block": (info["block_start"] - len(prompt)) // block_length})
+
+
 def run_ar(models, prompt, args, generator):
     """Plain KV-cached decoding with the target: one forward per token (ar-steps<S>: S steps and their draws
     one graph, fused_steps.py)."""
@@ -56,7 +73,7 @@ def run_diffusion(models, prompt, args, generator, sampler=generate, **options):
     """The diffusion LM fills a canvas of new_tokens MASKs in blocks of 32."""
     n = args.new_tokens
     ids, result = sampler(models["mdlm"], prompt, n, n, min(32, n), args.temperature,
-                          generator=generator, **options)
+                          generator=generator, callback=recorded(args), **options)
     return {"new_tokens": len(ids), "seconds": result.seconds, "target_forwards": result.forwards}
 
 
@@ -70,7 +87,8 @@ def run_self_spec(models, prompt, args, generator, k):
     distributions and verified by one batched forward (self_speculative.py): lossless."""
     n = args.new_tokens
     ids, result = self_speculative_generate(models["distilled"], prompt, n, min(32, n), args.temperature,
-                                            "left_to_right", k, generator=generator)
+                                            "left_to_right", k, generator=generator,
+                                            on_round=as_steps(args, prompt, min(32, n)))
     return {**chain_counts(ids, result), "canvases": result.canvases}
 
 
@@ -79,7 +97,8 @@ def run_ar_drafted(models, prompt, args, generator, k):
     model's stories (--distilled-draft; drafted_diffusion.py): lossless."""
     n = args.new_tokens
     ids, result = ar_drafted_generate(models["distilled"], models["distilled_draft"], prompt, n, min(32, n),
-                                      args.temperature, k, generator=generator)
+                                      args.temperature, k, generator=generator,
+                                      on_round=as_steps(args, prompt, min(32, n)))
     return {**chain_counts(ids, result), "canvases": result.canvases}
 
 
@@ -88,10 +107,11 @@ def run_spec(models, prompt, args, generator, k, draft="draft", propose=draft_ro
     --compile: each round, drafts, verify and verdict, one compiled graph: fused_round.py)."""
     if "fused" in models:
         ids, result = fused_speculative_generate(models["fused"], prompt, args.new_tokens, args.temperature,
-                                                 generator=generator, stop_token=None)
+                                                 generator=generator, stop_token=None, on_round=recorded(args))
     else:
         ids, result = speculative_generate(models["target"], models[draft], prompt, args.new_tokens, k,
-                                           args.temperature, generator=generator, stop_token=None, propose=propose)
+                                           args.temperature, generator=generator, stop_token=None, propose=propose,
+                                           on_round=recorded(args))
     return chain_counts(ids, result)
 
 
@@ -130,11 +150,12 @@ def run_ssd(models, prompt, args, generator, fan_out, k=4):
     threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(1)  # the draft's thread and the target's each get a core, as in generate.py
-    rounds = []
+    rounds, record = [], recorded(args)
+    on_round = rounds.append if record is None else lambda info: (rounds.append(info), record(info))
     try:
         ids, result = ssd_generate(models["target"], models["draft"], prompt, args.new_tokens, k, fan_out,
                                    args.temperature, generator=generator, stop_token=None, threaded=True,
-                                   on_round=rounds.append)
+                                   on_round=on_round)
     finally:
         torch.set_num_threads(threads)
     sd, ssd = modelled_seconds(result, rounds, *args.forward_costs)
@@ -177,15 +198,15 @@ def run_dflash(models, prompt, args, generator, block_size, rule="match", min_co
     drafter = models["drafter"]
     if "fused" in models:
         ids, result = fused_dflash_generate(models["fused"], prompt, args.new_tokens, args.temperature,
-                                            generator=generator, stop_token=None, rule=rule)
+                                            generator=generator, stop_token=None, rule=rule, on_round=recorded(args))
     elif rule == "match" and min_confidence is None and getattr(drafter, "markov", None) is None:
         ids, result = dflash_generate(models["target"], drafter, prompt, args.new_tokens, block_size,
-                                      args.temperature, generator=generator, stop_token=None)
+                                      args.temperature, generator=generator, stop_token=None, on_round=recorded(args))
     else:
         propose = partial(markov_drafts, sampled=rule == "reject") if getattr(drafter, "markov", None) else None
         ids, result = dflash_reject_generate(models["target"], drafter, prompt, args.new_tokens, block_size,
                                              args.temperature, generator=generator, stop_token=None, rule=rule,
-                                             min_confidence=min_confidence, propose=propose)
+                                             min_confidence=min_confidence, propose=propose, on_round=recorded(args))
     return chain_counts(ids, result)
 
 
@@ -194,7 +215,7 @@ def run_ddtree(models, prompt, args, generator, budget):
     with DSpark's Markov head: trees whose children read it)."""
     decode = markov_ddtree_generate if getattr(models["drafter"], "markov", None) is not None else ddtree_generate
     ids, result = decode(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
-                         args.temperature, generator=generator, stop_token=None)
+                         args.temperature, generator=generator, stop_token=None, on_round=recorded(args))
     return tree_counts(ids, result)
 
 
@@ -202,14 +223,15 @@ def run_ddtree_reject(models, prompt, args, generator, budget):
     """The same drafter pass grown into a tree of sampled children (ddtree_sampled.py), judged by
     recursive rejection sampling: lossless at every temperature, built for T > 0 (ddtree-n<N> at T = 0)."""
     ids, result = ddtree_sampled_generate(models["target"], models["drafter"], prompt, args.new_tokens, None, budget,
-                                          args.temperature, generator=generator, stop_token=None)
+                                          args.temperature, generator=generator, stop_token=None,
+                                          on_round=recorded(args))
     return tree_counts(ids, result)
 
 
 def run_eagle(models, prompt, args, generator, k, budget=None):
     """The EAGLE-3 head drafts a chain of k tokens, or a tree of `budget` nodes k deep, 4 wide."""
     ids, result = eagle_generate(models["target"], models["eagle"], prompt, args.new_tokens, k, budget, 4,
-                                 args.temperature, generator=generator, stop_token=None)
+                                 args.temperature, generator=generator, stop_token=None, on_round=recorded(args))
     return chain_counts(ids, result) if budget is None else tree_counts(ids, result)
 
 

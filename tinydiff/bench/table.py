@@ -34,11 +34,15 @@ its acceptance by slot (slot k kept given slots < k were: DSpark's per-position 
 the accepted path going one deeper). `--openings` decodes --prompts openings of held-out stories
 (--data's validation split) instead of the fixed prompts.
 Without --ckpt / --mdlm the models are untrained `tiny` ones: speeds are real, the text is noise.
+`--html DIR` also writes DIR/<method>.html for every row that has steps or rounds to show: the page
+(tinydiff/tools/replay.py) that replays that row's decode of the first prompt (`recording`).
 `--report DIR` trains the missing models first and writes DIR/RESULTS.md and plots: tinydiff/bench/report.py
 (`--temperatures T1,T2`: the speculative rows again at each temperature, tinydiff/bench/temperatures.py).
 """
 import json
+import os
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -69,6 +73,7 @@ from tinydiff.io.cli import add_compile, add_device, check_device, flag, given_f
 from tinydiff.io.files import check_output
 from tinydiff.speculative import expected_tokens_per_round, leviathan_speedup
 from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.tools.replay import Recorder, check_page_path
 
 
 def parse_args(argv=None):
@@ -104,6 +109,8 @@ def parse_args(argv=None):
                    "on every method alike; the same tokens and counts")
     add_device(p)
     p.add_argument("--json", help="also write the table as JSON to this path")
+    p.add_argument("--html", metavar="DIR", help="also write DIR/<method>.html, a page that replays the row's "
+                   "decode of the first prompt step by step (rows with steps or rounds to show; an existing folder)")
     p.add_argument("--report", metavar="DIR", help="train the models not given (out/report-PRESET/), run the "
                    "methods on held-out story openings, write DIR/RESULTS.md and DIR/plots/")
     p.add_argument("--report-preset", default="tiny", help="with --report: smoke (a one-minute pipeline check), "
@@ -150,7 +157,40 @@ def check_args(args) -> list[str]:
         raise UserError("--temperatures adds a section to --report's RESULTS.md: add --report DIR (or run the bench "
                         "once per --temperature)")
     check_output(args.json, "--json")
+    if args.html:
+        check_pages(args.html, methods, args.report)
     return methods
+
+
+def check_pages(folder, methods, report):
+    """Before any work (--html): `folder` exists, is a writable folder and holds none of the pages this run
+    writes (<method>.html for each method); a missing folder, a file or a page already there is refused."""
+    if report:
+        raise UserError("--html writes the pages of one bench run, --report runs several: drop one of them")
+    if not os.path.isdir(folder):
+        raise UserError(f"--html {folder} is {'a file' if os.path.exists(folder) else 'missing'}; pass an "
+                        "existing folder (the bench writes <method>.html into it)")
+    for method in methods:
+        check_page_path(Path(folder) / f"{method}.html", "--html")
+
+
+def recording(name: str, method, tokenizer, pages: dict):
+    """`method` (a runner) with its first call recorded: the warm-up's first prompt, untimed, the very decode the
+    timed first prompt repeats (the same prompt, models and seed, so the same tokens). args.record, the Recorder
+    the runner hands its loop, is set for that call only; its page goes to --html DIR/<name>.html, and
+    pages[name] is the path, or None where the loop reported nothing (ar: one token a forward)."""
+    def run(models, prompt, args, generator):
+        if name in pages:
+            return method(models, prompt, args, generator)
+        moe = models["moe"] if name.startswith("dmoe-") else None  # the page shows the experts each step read
+        args.record = Recorder(name, tokenizer, prompt, tokenizer.decode(prompt[1:]), moe)  # prompt: EOT + text
+        try:
+            counts = method(models, prompt, args, generator)
+        finally:
+            recorder, args.record = args.record, None
+        pages[name] = recorder.write(Path(args.html) / f"{name}.html") if recorder.steps else None
+        return counts
+    return run
 
 
 def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict], float]:
@@ -162,10 +202,13 @@ def measure_rows(args, methods, models, prompts, tokenizer) -> tuple[list[dict],
                           forward_seconds(models["target"], prompts[0], reps=16))
     c = args.forward_costs[0] / args.forward_costs[1]
     statics = {name: compiled_models(name, models, args) if args.compile else None for name in methods}
+    args.pages = {}  # --html: method -> its page, or None
+    runners = {name: recording(name, METHODS[name], tokenizer, args.pages) if args.html else METHODS[name]
+               for name in methods}
     if args.interleave:  # every method decodes a prompt before the next prompt
-        measured = measure_interleaved([(METHODS[name], statics[name] or models) for name in methods], prompts, args)
+        measured = measure_interleaved([(runners[name], statics[name] or models) for name in methods], prompts, args)
     else:
-        measured = [measure(METHODS[name], statics[name] or models, prompts, args)
+        measured = [measure(runners[name], statics[name] or models, prompts, args)
                     for name in tqdm(methods, desc="bench", unit="method", file=sys.stderr)]
     rows = []
     for name, row in zip(methods, measured):
@@ -258,6 +301,10 @@ def main(argv=None):
     print(f"device: {report['device']} | {len(prompts)} {source} x {args.new_tokens} new tokens | "
           f"temperature {args.temperature}")
     print_table(rows, c)
+    if args.html:
+        none = [name for name, page in args.pages.items() if page is None]
+        print(f"--html: {len(args.pages) - len(none)} pages in {args.html}" + (f"; none for {', '.join(none)} (one "
+              "token a forward: nothing to replay)" if none else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -2,6 +2,7 @@
 that replays it step by step (replay.html beside this file: inline CSS and JavaScript, no network).
 
     python generate.py --ckpt out/tour-mdlm/ckpt.pt --prompt "Tom had a dog" --html out/replay.html
+    python -m tinydiff.bench --methods spec-k4,ddtree-n32,diffusion --html out/pages  # a page per row
 
 Recording rides on the callbacks the loops already take, so no loop changes and an unrecorded run pays
 nothing (the loops skip a callback that is None): the diffusion samplers call `callback(event)` after
@@ -57,9 +58,10 @@ class Recorder:
         before = self.canvas or [MASK] * len(canvas)
         changed = [i for i, (a, b) in enumerate(zip(before, canvas)) if a != b]
         confidences = event.get("confidences")  # the sampler's live tensor: read it now
-        scores = [] if confidences is None else confidences[[len(self.prompt) + i for i in changed]].tolist()
+        scores = ([None] * len(changed) if confidences is None  # a sampler that scores nothing (self-speculation)
+                  else confidences[[len(self.prompt) + i for i in changed]].tolist())
         self.steps.append({"block": event["block"], "set": [[i, canvas[i]] for i in changed],
-                           "conf": [float(f"{c:.3g}") if abs(c) < 1e9 else None for c in scores]})
+                           "conf": [float(f"{c:.3g}") if c is not None and abs(c) < 1e9 else None for c in scores]})
         self.canvas = canvas
         if self.layers:  # the routing of this step's forward, what each layer kept of it
             self.routing.append([(layer.last["experts"][0], layer.last["scores"][0].topk(layer.top_k).indices)
