@@ -35,8 +35,14 @@ def random_model(config, seed, embed_std=0.3, std=0.5, build=Transformer):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, embed_std if name == "embed.weight" else std)
+                live(model, name, p).normal_(0, embed_std if name == "embed.weight" else std)
     return model
+
+
+def live(model, name, p):
+    """p, or for the embedding its true vocabulary's rows: the padding rows (model.padded_vocab) stay zero, and
+    the random draws are the same as an unpadded model's."""
+    return p[:model.config.vocab_size] if name == "embed.weight" else p
 
 
 def perturbed(model, seed, noise):
@@ -44,7 +50,8 @@ def perturbed(model, seed, noise):
     model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
+            p = live(model, name, p)
             p.add_(noise * torch.randn(p.shape, generator=g))
     return model
 

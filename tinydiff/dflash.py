@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table
+from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, tied_head
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE
@@ -224,7 +224,7 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, h):
         """The target's tied head on the drafter's hidden states h (..., D): (..., V)."""
-        return F.linear(self.norm(h), self.target.embed.weight.detach())
+        return tied_head(self.norm(h), self.target.embed.weight.detach(), self.config.vocab_size)
 
 
 def block_input(last_token: int, block_size: int, device=None):

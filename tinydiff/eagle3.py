@@ -37,7 +37,7 @@ from tinydiff.ar import check_prompt
 from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
 from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, tied_head
 from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample
 from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, VOCAB_SIZE
@@ -132,7 +132,7 @@ class EagleHead(nn.Module):
 
     def logits(self, h):
         """The target's tied head on the head's hidden states h (..., D): (..., V)."""
-        return F.linear(self.norm(h), self.target.embed.weight.detach())
+        return tied_head(self.norm(h), self.target.embed.weight.detach(), self.config.vocab_size)
 
     def extend(self, cache: KVCache, tokens, hidden):
         """Append committed rows: tokens (1, T) are the tokens after the positions whose target hidden

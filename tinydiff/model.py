@@ -1,7 +1,8 @@
 """One Transformer for every model in tinydiff: AR target and draft, diffusion LM, drafters.
 
 A decoder stack in the llama style: RMSNorm before each sublayer, rotary position embeddings
-(RoPE), SwiGLU feed-forward, no biases, the LM head tied to the token embedding.
+(RoPE), SwiGLU feed-forward, no biases, the LM head tied to the token embedding, whose rows are padded
+to a multiple of 64 (nanoGPT's 50,304) with zero rows whose logits are cut (`tied_head`).
 Attention is one of three kinds, chosen per call:
   - causal (the AR models),
   - bidirectional (the masked-diffusion LM: every position sees every position),
@@ -61,6 +62,19 @@ PRESETS = {
     # The speculative-decoding draft: same tokenizer and context, a fraction of the layers.
     "draft": ModelConfig(n_layer=2, n_head=2, d_model=64, d_ff=192),
 }
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """Rows of the embedding and tied head: the vocabulary rounded up to a multiple of 64 (50,258 -> 50,304),
+    which matmuls tile evenly (docs/LOG.md: the training head 0.90x the time on a CPU)."""
+    return -(-vocab_size // 64) * 64
+
+
+def tied_head(x, weight, vocab_size: int):
+    """Logits (..., vocab_size) of x (..., D) on a tied embedding `weight` (padded_vocab rows, D): the padding
+    rows' columns are cut here, the one place every model's logits are made, so no method samples, scores,
+    counts or drafts them."""
+    return F.linear(x, weight)[..., :vocab_size]
 
 
 def preset(name: str, **overrides) -> ModelConfig:
@@ -230,6 +244,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("wo.weight", "down.weight")):  # GPT-2: residual writes scaled by depth
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+        with torch.no_grad():  # padded after the init, so the random draws are as without: zero rows, never read
+            pad = padded_vocab(config.vocab_size) - config.vocab_size
+            self.embed = nn.Embedding.from_pretrained(F.pad(self.embed.weight, (0, 0, 0, pad)), freeze=False)
 
     @staticmethod
     def _init_weights(module):
@@ -237,8 +254,10 @@ class Transformer(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def num_params(self, embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n if embedding else n - self.embed.weight.numel()
+        """Parameters, the embedding's padding rows (zeros, never read) left out."""
+        V, D = self.config.vocab_size, self.config.d_model
+        n = sum(p.numel() for p in self.parameters()) - (self.embed.weight.shape[0] - V) * D
+        return n if embedding else n - V * D
 
     def new_cache(self, batch_size: int = 1, device=None, dtype=None) -> KVCache:
         weight = self.embed.weight
@@ -314,4 +333,4 @@ class Transformer(nn.Module):
 
     def logits(self, x):
         """The tied head on residual streams x (..., D) after the last block: logits (..., V)."""
-        return F.linear(self.norm(x), self.embed.weight)
+        return tied_head(self.norm(x), self.embed.weight, self.config.vocab_size)

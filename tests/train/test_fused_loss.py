@@ -79,6 +79,7 @@ def test_under_bf16_autocast_it_is_as_close_to_float32_as_the_cores_loss(kind, m
 def test_no_rows_scored_is_a_zero_loss_with_zero_gradients():
     """An MDLM batch whose noise masked nothing scores no row: the loss is 0, not an error or a NaN."""
     h, head = torch.randn(0, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
-    loss, ce = fused_loss.LinearCrossEntropy.apply(h, head, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    loss, ce = fused_loss.LinearCrossEntropy.apply(h, head, torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                                                   len(head))
     loss.backward()
     assert float(loss.detach()) == 0 and ce.shape == (0,) and h.grad.shape == (0, 8) and not head.grad.any()

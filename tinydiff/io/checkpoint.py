@@ -35,9 +35,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from tinydiff.checks import COUNT_OR_NONE, UserError, brief_error
-from tinydiff.model import ModelConfig, Transformer
+from tinydiff.model import ModelConfig, Transformer, padded_vocab
 from tinydiff.tokenizer import VOCAB_SIZE
 
 FORMAT = "tinydiff-checkpoint"
@@ -76,7 +77,7 @@ def read_checkpoint(path: Path, map_location) -> dict:
         from tinydiff.io.hf_format import read_folder
         ckpt = {"format": FORMAT, "version": VERSION, **read_folder(path)}
         check_contents(ckpt, path)
-        return ckpt
+        return pad_vocabulary(ckpt)
     if path.is_dir():
         hint = f"pass {path / 'ckpt.pt'}" if (path / "ckpt.pt").is_file() else \
             "pass the ckpt.pt inside a run folder, or a folder written by `python -m tinydiff.tools.export`"
@@ -100,7 +101,7 @@ def read_checkpoint(path: Path, map_location) -> dict:
     if ckpt.get("version") not in (1, VERSION):
         raise UserError(f"{path} has checkpoint version {ckpt.get('version')!r}, this code reads 1 and {VERSION}")
     check_contents(ckpt, path)
-    return ckpt
+    return pad_vocabulary(ckpt)
 
 
 def check_contents(ckpt: dict, path):
@@ -127,6 +128,21 @@ def check_contents(ckpt: dict, path):
     if bad is not None:
         raise UserError(f"{path}: weight {bad} holds NaN or inf (the training diverged); use an earlier checkpoint, "
                         "or train again with a lower --lr")
+
+
+def pad_vocabulary(ckpt: dict) -> dict:
+    """An embedding of exactly the config's vocab_size rows (a checkpoint from before the head was padded, or an
+    export, which writes the true vocabulary) padded with zero rows to model.padded_vocab, and so are the
+    optimizer's moments of it: the padding is never read, so the model is the same and a run resumes exactly."""
+    embed, vocab = ckpt["model"].get("embed.weight"), ckpt["config"].get("vocab_size")
+    if embed is None or embed.dim() != 2 or type(vocab) is not int or embed.shape[0] != vocab:
+        return ckpt
+    shape, pad = embed.shape, (0, 0, 0, padded_vocab(vocab) - vocab)
+    ckpt["model"]["embed.weight"] = F.pad(embed, pad)
+    for state in ckpt.get("optimizer", {}).get("state", {}).values():
+        if isinstance(state, dict):  # AdamW's exp_avg and exp_avg_sq of the embedding
+            state.update({key: F.pad(t, pad) for key, t in state.items() if torch.is_tensor(t) and t.shape == shape})
+    return ckpt
 
 
 MOE_KINDS = ("mdlm-moe", "ar-moe")  # the checkpoint kinds whose model is a MoETransformer (diffusion, causal)

@@ -131,6 +131,8 @@ def write_folder(out, ckpt: dict, layout: str, extra_files: dict | None = None):
     export that finds `out` filled meanwhile is refused. layout "llama" (AR only) or "tinydiff"."""
     from safetensors.torch import save
     kind, weights = ckpt["kind"], ckpt["model"]
+    if "embed.weight" in weights:  # the true vocabulary: the padding rows (model.padded_vocab) stay behind
+        weights = {**weights, "embed.weight": weights["embed.weight"][:ckpt["config"]["vocab_size"]]}
     check_layout(kind, layout)
     out = Path(out)
     ours = {"format": FORMAT, "version": VERSION, "kind": kind, "config": ckpt["config"]}

@@ -23,10 +23,11 @@ ROWS = 512  # rows of logits a chunk holds: 512 x 50,258 x 4 bytes = 103 MB
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(h_i . head^T, y_i) and each row's CE, for h (N, D), head (V, D), y (N,), w (N,)."""
+    """sum_i w_i * CE(h_i . head^T, y_i) and each row's CE, for h (N, D), head (V, D), y (N,), w (N,): the head's
+    first `classes` rows are the classes (the rest, padding or MASK, have -inf logits)."""
 
     @staticmethod
-    def forward(ctx, h, head, y, w):
+    def forward(ctx, h, head, y, w, classes: int):
         device = h.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else h.dtype  # the matmuls' dtype, as F.linear's
@@ -42,6 +43,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             for i in range(0, len(h), ROWS):
                 rows = slice(i, i + ROWS)
                 logits = (hc[rows] @ wc.T).to(ce.dtype)  # (n, V): the chunk's, in float32 (float64 stays)
+                logits[:, classes:] = float("-inf")  # no mass, so no gradient: the head's shape kept for the matmul
                 lse = logits.logsumexp(-1)  # (n,)
                 ce[rows] = lse - logits.gather(1, y[rows, None])[:, 0]
                 if grad_h is None and grad_head is None:
@@ -65,17 +67,17 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _):
         grad_h, grad_head = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype),
-                None if grad_head is None else grad_head * grad_loss.to(grad_head.dtype), None, None)
+                None if grad_head is None else grad_head * grad_loss.to(grad_head.dtype), None, None, None)
 
 
 def head_loss(model, h, y, w, never_mask: bool):
     """LinearCrossEntropy through model's norm and tied head: h (N, D) the last block's residual streams,
     y (N,) targets, w (N,) weights. never_mask: MASK's column left out, as diffusion.subs_logits' -inf.
-    Returns the weighted sum and each row's CE (N,)."""
-    head = model.embed.weight
-    if never_mask and head.shape[0] > MASK:
-        head = head[:MASK]  # (V - 1, D): MASK is the last id
-    return LinearCrossEntropy.apply(model.norm(h), head, y, w)
+    Returns the weighted sum and each row's CE (N,). The head keeps its padded rows (model.padded_vocab),
+    which the matmuls tile evenly; their logits, and MASK's, are -inf."""
+    V = model.config.vocab_size
+    classes = MASK if never_mask and V > MASK else V  # MASK is the last id
+    return LinearCrossEntropy.apply(model.norm(h), model.embed.weight, y, w, classes)
 
 
 def last_hidden(model, idx, causal: bool):
