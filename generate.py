@@ -24,10 +24,8 @@ import torch
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, UserError
 from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, drafter_from, load_checkpoint, load_model
 from tinydiff.io.cli import (
-    CanvasView,
     add_compile,
     check_device,
-    diffusion_lengths,
     encode_prompt,
     given_flags,
     print_story,
@@ -109,7 +107,7 @@ def decode(method, model, prompt, args, generator):
         from tinydiff.ar import ar_generate
         return ar_generate(compiled(args, model, (1,)), prompt, new, *warping, generator)
     if method in DIFFUSION:
-        from tinydiff.sampler import generate, generate_cached
+        from tinydiff.sampler import diffusion_lengths, generate, generate_cached
         new, block = diffusion_lengths(model, prompt, new, args.block_length)
         rule = dict(threshold=args.threshold, entropy_bound=args.entropy_bound, generator=generator,
                     callback=args.view)
@@ -176,8 +174,11 @@ def main(argv=None):
     (tokenizer, prompt), generator = encode_prompt(args.prompt), torch.Generator(args.device).manual_seed(args.seed)
     args.temperature = (0.0 if method in DIFFUSION else 0.8) if args.temperature is None else args.temperature
     animate = method in DIFFUSION and sys.stdout.isatty() and not (args.json or args.html)  # on a terminal: watch it
-    view = CanvasView(tokenizer, args.prompt, len(prompt)) if animate else None  # the sampler's callback
-    args.compiled, args.view = [], Recorder(method, tokenizer, prompt, args.prompt, model) if args.html else view
+    args.compiled, args.view = [], None
+    if args.html or animate:  # the loop's callback: a Recorder keeps every step, a CanvasView draws it live
+        from tinydiff.tools.replay import CanvasView
+        args.view = Recorder(method, tokenizer, prompt, args.prompt, model) if args.html else \
+            CanvasView(tokenizer, args.prompt, len(prompt))
     ids, result = decode(method, model, prompt, args, generator)
     if animate:
         args.view.clear()  # the final text, cut at the story's end, replaces the last frame

@@ -12,8 +12,8 @@ from entry_points import run_in_process
 
 import generate
 from tinydiff.io.checkpoint import save_checkpoint
-from tinydiff.io.cli import diffusion_lengths
 from tinydiff.model import Transformer
+from tinydiff.sampler import diffusion_lengths
 from tinydiff.tokenizer import EOT, MASK, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,9 +217,9 @@ def test_a_moe_checkpoint_decodes_with_its_saved_routing(ckpt, tmp_path):
 
 
 def test_canvas_view_redraws_in_place(capsys):
-    import generate
+    from tinydiff.tools.replay import CanvasView
     tok = Tokenizer()
-    view = generate.CanvasView(tok, "Once", prompt_len=2)
+    view = CanvasView(tok, "Once", prompt_len=2)
     canvas = torch.tensor([EOT, 7454, MASK, MASK])
     view({"canvas": canvas})
     canvas[2] = 2402

@@ -65,15 +65,13 @@ PRESETS = {
 
 
 def padded_vocab(vocab_size: int) -> int:
-    """Rows of the embedding and tied head: the vocabulary rounded up to a multiple of 64 (50,258 -> 50,304),
-    which matmuls tile evenly (docs/LOG.md: the training head 0.90x the time on a CPU)."""
+    """The embedding's rows: the vocabulary rounded up to a multiple of 64 (50,258 -> 50,304), tiled evenly."""
     return -(-vocab_size // 64) * 64
 
 
 def tied_head(x, weight, vocab_size: int):
-    """Logits (..., vocab_size) of x (..., D) on a tied embedding `weight` (padded_vocab rows, D): the padding
-    rows' columns are cut here, the one place every model's logits are made, so no method samples, scores,
-    counts or drafts them."""
+    """Logits (..., vocab_size) of x (..., D) on a tied embedding (padded_vocab rows, D): every model's logits are
+    made here, the padding's columns cut, so no method samples, scores, counts or drafts them."""
     return F.linear(x, weight)[..., :vocab_size]
 
 

@@ -192,6 +192,15 @@ def start_canvas(model, prompt, gen_length):
     return canvas, torch.full(canvas.shape, float("inf"), dtype=torch.float64, device=canvas.device)
 
 
+def diffusion_lengths(model, prompt: list[int], max_new_tokens, block_length) -> tuple[int, int]:
+    """A diffusion LM's canvas after the prompt, and its block: --max-new-tokens (default as many whole
+    blocks of 32 as fit, at most 128) and --block-length (default 32, or the largest size under it that
+    divides the canvas; the whole canvas where none of 8..32 does: a default never refuses a length given)."""
+    room = model.config.context - len(prompt)
+    new = max_new_tokens or min(128, room - room % 32) or room
+    return new, block_length or next((b for b in range(min(32, new), 7, -1) if new % b == 0), new)
+
+
 @torch.no_grad()
 def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperature=0.0,
              remasking="low_confidence", threshold=None, block_causal=False, generator=None, callback=None,

@@ -34,8 +34,8 @@ from tinydiff.ar import split_time
 from tinydiff.checks import COUNT, UserError
 from tinydiff.extras.self_speculative import SelfSpeculated, row_view
 from tinydiff.io.checkpoint import DIFFUSION_KINDS, load_model
-from tinydiff.io.cli import diffusion_lengths, run_main, story_parser, write_story
-from tinydiff.sampler import check_args, prefix_cached_logits
+from tinydiff.io.cli import run_main, story_parser, write_story
+from tinydiff.sampler import check_args, diffusion_lengths, prefix_cached_logits
 from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import Tally, check_models, draft_round, verify
 from tinydiff.tokenizer import MASK

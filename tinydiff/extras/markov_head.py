@@ -9,9 +9,9 @@ drafts disagree with its earlier ones. DSpark adds a cheap low-rank bias from th
 where x_0 is the newest committed token (the block's slot 0) and x_{k-1} the draft at slot k-1. The
 drafter still runs ONE forward per block; the drafts then come left to right through the head alone,
 a lookup and an (r x V) product per slot (`draft_left_to_right`). Training teaches W1, W2 beside the
-drafter with the text's own previous token (teacher forcing, train/drafter_losses.py's `markov_loss`). W2 starts at zero, so a
-new head is plain DFlash until training moves it, and a head of rank 0 or with W2 = 0 is exactly plain
-DFlash (the tests hold both).
+drafter with the text's own previous token (teacher forcing: train/drafter_losses.py's `markov_loss`).
+W2 starts at zero, so a new head is plain DFlash until training moves it, and a head of rank 0 or with
+W2 = 0 is exactly plain DFlash (the tests hold both).
 Built from the core's pieces: `MarkovDrafter` is a DFlashDrafter with the head; its drafts go into
 dflash_generate as `propose` (argmax, or sampled for the rejection rule of dflash_reject.py), its trees
 into ddtree_generate as `grow` (a node's children read the bias of that node's own token).

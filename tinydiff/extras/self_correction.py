@@ -13,8 +13,8 @@ import torch
 
 from tinydiff.checks import COUNT, COUNT_OR_NONE, UserError
 from tinydiff.io.checkpoint import DIFFUSION_KINDS
-from tinydiff.io.cli import diffusion_lengths, run_main, story_parser, write_story
-from tinydiff.sampler import REMASKING, Trace, check_args, commit, fill_block, start_canvas
+from tinydiff.io.cli import run_main, story_parser, write_story
+from tinydiff.sampler import REMASKING, Trace, check_args, commit, diffusion_lengths, fill_block, start_canvas
 from tinydiff.tokenizer import MASK
 
 

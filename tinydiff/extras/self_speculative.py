@@ -38,8 +38,8 @@ import torch
 
 from tinydiff.checks import COUNT, UserError
 from tinydiff.io.checkpoint import DIFFUSION_KINDS
-from tinydiff.io.cli import diffusion_lengths, run_main, story_parser, write_story
-from tinydiff.sampler import check_args, position_entropy, prefix_cached_logits
+from tinydiff.io.cli import run_main, story_parser, write_story
+from tinydiff.sampler import check_args, diffusion_lengths, position_entropy, prefix_cached_logits
 from tinydiff.sampling import next_token_probs, residual, sample
 from tinydiff.speculative import Speculated, Tally
 from tinydiff.tokenizer import MASK

@@ -19,15 +19,13 @@ checks every key's type and the weights' values before anything is built (check_
 A folder written by `python -m tinydiff.tools.export` (or a Llama folder transformers saved) loads into
 the same dict, without the training state (tinydiff/io/hf_format.py reads it; no pickle involved).
 
-Rebuilding the model a checkpoint holds: each kind's config and model classes (every kind but the
-MoE ones, mdlm-moe and ar-moe, is the plain Transformer; the drafters are rebuilt around their target by
-dflash.drafter_from and eagle.head_from). Before a weight is allocated the config is checked (its
-fields known, each value in range: the config classes' own rules). A config that implies more
-weights than the file holds is then matched, name by name and shape by shape, against a model
-built on the "meta" device, which costs no memory: a tampered config cannot make this machine
-allocate what the file does not hold. (Building on "meta" imports torch's compiler, about 1.5 s,
-so a config whose size agrees with the file skips it: building that model allocates no more than
-the file already did.)
+Rebuilding the model: every kind but mdlm-moe and ar-moe is the plain Transformer; the drafters are
+rebuilt around their target (drafter_from, head_from). The config is checked before a weight is
+allocated (its classes' own rules); one that implies more weights than the file holds is matched, name
+by name and shape by shape, against a model built on the "meta" device, which costs no memory, so a
+tampered config cannot make this machine allocate what the file does not hold (a config whose size
+agrees with the file skips it: "meta" imports torch's compiler, about 1.5 s).
+An embedding of the true vocabulary's rows is padded on load (pad_vocabulary).
 """
 import re
 import warnings
@@ -131,9 +129,8 @@ def check_contents(ckpt: dict, path):
 
 
 def pad_vocabulary(ckpt: dict) -> dict:
-    """An embedding of exactly the config's vocab_size rows (a checkpoint from before the head was padded, or an
-    export, which writes the true vocabulary) padded with zero rows to model.padded_vocab, and so are the
-    optimizer's moments of it: the padding is never read, so the model is the same and a run resumes exactly."""
+    """An embedding of the true vocabulary's rows (an export, or a checkpoint from before the padding) and the
+    optimizer's moments of it padded with zero rows (model.padded_vocab): the padding is never read."""
     embed, vocab = ckpt["model"].get("embed.weight"), ckpt["config"].get("vocab_size")
     if embed is None or embed.dim() != 2 or type(vocab) is not int or embed.shape[0] != vocab:
         return ckpt

@@ -11,7 +11,6 @@ prompt's encoding and `print_story`.
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -137,15 +136,6 @@ def write_story(args, kinds, decode):
     print_story(args, tokenizer, prompt, ids, result.row())
 
 
-def diffusion_lengths(model, prompt: list[int], max_new_tokens, block_length) -> tuple[int, int]:
-    """A diffusion LM's canvas after the prompt, and its block: --max-new-tokens (default as many whole
-    blocks of 32 as fit, at most 128) and --block-length (default 32, or the largest size under it that
-    divides the canvas; the whole canvas where none of 8..32 does: a default never refuses a length given)."""
-    room = model.config.context - len(prompt)
-    new = max_new_tokens or min(128, room - room % 32) or room
-    return new, block_length or next((b for b in range(min(32, new), 7, -1) if new % b == 0), new)
-
-
 def print_story(args, tokenizer, prompt: list[int], ids: list[int], stats: dict):
     """The prompt and the new ids up to the story's end (its first EOT) to stdout, the stats on one line to
     stderr; with --json one object to stdout instead."""
@@ -166,23 +156,3 @@ def stats_line(stats: dict) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     names = {"tau": "tau (tokens per round)"}  # a round is one verify forward; the prompt's prefill is not one
     return " | ".join(f"{names.get(k, k)} {shown(v)}" for k, v in stats.items() if v is not None)
-
-
-class CanvasView:
-    """Redraws the canvas in place as the sampler commits tokens (masks show as placeholders)."""
-
-    def __init__(self, tokenizer, prompt_text: str, prompt_len: int):
-        self.tokenizer, self.prompt_text, self.prompt_len = tokenizer, prompt_text, prompt_len
-        self.width, self.lines = shutil.get_terminal_size().columns, 0
-
-    def __call__(self, event):
-        self.clear()
-        text = self.prompt_text + self.tokenizer.decode(event["canvas"][self.prompt_len:].tolist())
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-        self.lines = sum(max(1, -(-len(line) // self.width)) for line in text.split("\n"))
-
-    def clear(self):
-        if self.lines:  # cursor up to the frame's first line, erase to the end of the screen
-            sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
-            self.lines = 0

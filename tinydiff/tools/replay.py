@@ -1,5 +1,6 @@
 """See it happen: one run of any decoding method recorded, and written as ONE self-contained web page
-that replays it step by step (replay.html beside this file: inline CSS and JavaScript, no network).
+that replays it step by step (replay.html beside this file: inline CSS and JavaScript, no network);
+and `CanvasView`, generate.py's live diffusion canvas on a terminal.
 
     python generate.py --ckpt out/tour-mdlm/ckpt.pt --prompt "Tom had a dog" --html out/replay.html
     python -m tinydiff.bench --methods spec-k4,ddtree-n32,diffusion --html out/pages  # a page per row
@@ -21,6 +22,8 @@ Leaves out: batches, plain AR decoding (one token a forward: nothing to see), li
 """
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from tinydiff.checks import UserError
@@ -131,3 +134,23 @@ def render(data: dict) -> str:
     if template.count("__EVENTS__") != 1:
         raise UserError(f"{TEMPLATE} must hold __EVENTS__ exactly once")
     return template.replace("__EVENTS__", payload)
+
+
+class CanvasView:
+    """Redraws the canvas in place as the sampler commits tokens (masks show as placeholders)."""
+
+    def __init__(self, tokenizer, prompt_text: str, prompt_len: int):
+        self.tokenizer, self.prompt_text, self.prompt_len = tokenizer, prompt_text, prompt_len
+        self.width, self.lines = shutil.get_terminal_size().columns, 0
+
+    def __call__(self, event):
+        self.clear()
+        text = self.prompt_text + self.tokenizer.decode(event["canvas"][self.prompt_len:].tolist())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        self.lines = sum(max(1, -(-len(line) // self.width)) for line in text.split("\n"))
+
+    def clear(self):
+        if self.lines:  # cursor up to the frame's first line, erase to the end of the screen
+            sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
+            self.lines = 0
