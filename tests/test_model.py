@@ -1,5 +1,9 @@
 """Spec: one Transformer. Causal vs bidirectional attention, explicit masks and positions,
-KV-cached decoding, crop and keep, hidden-state taps, parameter counts of the presets."""
+KV-cached decoding, crop and keep, hidden-state taps, parameter counts of the presets, the padded
+vocabulary that no decoding method reads."""
+import copy
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +14,8 @@ from stats_helpers import (
 )
 
 from tinydiff.checks import UserError
-from tinydiff.model import PRESETS, Transformer, preset
+from tinydiff.model import PRESETS, ModelConfig, Transformer, padded_vocab, preset
+from tinydiff.tokenizer import EOT, VOCAB_SIZE
 
 
 @pytest.fixture
@@ -171,3 +176,75 @@ def test_context_overflow_and_bad_mask_fail_clearly(tiny_model):
         tiny_model(tokens(1, 2), pos=torch.tensor([0, 32]))
     with pytest.raises(ValueError, match="mask must end in shape"):
         tiny_model(tokens(1, 4), mask=torch.ones(4, 5, dtype=torch.bool))
+
+
+# ---- the vocabulary padded to a multiple of 64 rows (model.padded_vocab), the padding never read
+
+def with_garbage_padding(model, seed=9):
+    """A copy of `model` whose padding rows hold large random numbers (logits of about +-500 if they were
+    read): a method that samples, scores, counts or drafts them would decode differently."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        rows = twin.embed.weight[twin.config.vocab_size:]
+        rows.copy_(100 * torch.randn(rows.shape, generator=torch.Generator().manual_seed(seed)))
+    return twin
+
+
+def test_the_embedding_is_padded_with_zero_rows_that_the_logits_leave_out():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=100, context=8, n_layer=1, n_head=2, d_model=16, d_ff=32))
+    assert padded_vocab(100) == 128 and padded_vocab(VOCAB_SIZE) == 50_304 and padded_vocab(128) == 128
+    assert model.embed.weight.shape == (128, 16) and not model.embed.weight[100:].any()
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 100)
+    assert model.num_params() == sum(p.numel() for p in model.parameters()) - 28 * 16  # the padding not counted
+
+
+def decoders():
+    """Every core decoding method, (name, models -> (ids, result)), sampled at temperature 1 where it samples."""
+    from eagle_models import random_head
+    from stats_helpers import random_drafter
+
+    from tinydiff.ar import ar_generate
+    from tinydiff.ddtree import ddtree_generate
+    from tinydiff.dflash import dflash_generate
+    from tinydiff.eagle3 import eagle_generate
+    from tinydiff.sampler import generate, generate_cached
+    from tinydiff.speculative import speculative_generate
+    from tinydiff.ssd import ssd_generate
+
+    def g():
+        return torch.Generator().manual_seed(5)
+    drafter = partial(random_drafter, seed=1, n_layer=1, block_size=6, n_features=2)
+    prompt = [EOT, 464, 3290]
+    return {
+        "ar": lambda t, d, m: ar_generate(t, prompt, 10, 1.0, generator=g()),
+        "spec": lambda t, d, m: speculative_generate(t, d, prompt, 10, 3, 1.0, generator=g()),
+        "ssd": lambda t, d, m: ssd_generate(t, d, prompt, 10, 3, 2, 1.0, generator=g()),
+        "dflash": lambda t, d, m: dflash_generate(t, drafter(t), prompt, 10, None, 1.0, generator=g()),
+        "ddtree": lambda t, d, m: ddtree_generate(t, drafter(t), prompt, 10, None, 8, 0.0),
+        "eagle3 chain": lambda t, d, m: eagle_generate(t, random_head(t, seed=1), prompt, 10, 3, None, 4, 1.0,
+                                                       generator=g()),
+        "eagle3 tree": lambda t, d, m: eagle_generate(t, random_head(t, seed=1), prompt, 10, 3, 8, 4, 0.0),
+        "diffusion": lambda t, d, m: generate(m, prompt, 16, 16, 8, 1.0, generator=g()),
+        "diffusion, entropy bound": lambda t, d, m: generate(m, prompt, 16, 16, 8, 1.0, generator=g(),
+                                                             entropy_bound=0.5),
+        "diffusion-cached, threshold": lambda t, d, m: generate_cached(m, prompt, 16, 16, 8, 1.0, threshold=0.5,
+                                                                       generator=g()),
+    }
+
+
+@torch.no_grad()
+def test_no_decoding_method_reads_the_padding_rows():
+    """Every method decodes the same tokens, with the same counts, whatever the padding rows hold: the one cut
+    (model.tied_head) keeps them from every logit a target, draft, drafter or head makes."""
+    from stats_helpers import random_model
+    target = random_model(ModelConfig(context=40, n_layer=5, n_head=2, d_model=32, d_ff=64), seed=0)
+    draft = random_model(ModelConfig(context=40, n_layer=1, n_head=2, d_model=16, d_ff=32), seed=1)
+    mdlm = random_model(ModelConfig(context=40, n_layer=2, n_head=2, d_model=32, d_ff=64, causal=False), seed=2)
+    clean, dirty = (target, draft, mdlm), tuple(map(with_garbage_padding, (target, draft, mdlm)))
+    for name, decode in decoders().items():
+        (ids, result), (ids2, result2) = decode(*clean), decode(*dirty)
+        counts, counts2 = ({k: v for k, v in r.row().items() if "seconds" not in k and not k.endswith("_s")}
+                           for r in (result, result2))  # the timings left out
+        assert ids == ids2 and counts == counts2, name
+        assert ids and max(ids) < VOCAB_SIZE, name

@@ -1,5 +1,6 @@
 """Spec: checkpoints round-trip, are written atomically, and every bad file is a clear error."""
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from tinydiff.checks import UserError
 from tinydiff.io import checkpoint
 from tinydiff.io.checkpoint import load_checkpoint, load_model, save_checkpoint
-from tinydiff.model import Transformer
+from tinydiff.model import ModelConfig, Transformer
 
 
 def test_round_trip(tmp_path, tiny_model, tiny_config):
@@ -96,3 +97,30 @@ def test_unknown_config_field_and_wrong_kind(tmp_path, tiny_model, tiny_config):
     torch.save(ckpt, tmp_path / "d.pt")
     with pytest.raises(UserError, match="n_experts"):
         load_model(tmp_path / "d.pt")
+
+
+def test_a_checkpoint_from_before_the_padding_loads_as_the_same_model_and_optimizer(tmp_path):
+    """An embedding of the true vocabulary's rows (a checkpoint written before the head was padded, or an
+    export) gets zero padding rows on load, and so do AdamW's moments of it: what an up-to-date run of the
+    same steps holds, so the model decodes the same and a resumed run goes on exactly."""
+    torch.manual_seed(0)
+    config = ModelConfig(context=16, n_layer=1, n_head=2, d_model=16, d_ff=32)
+    model = Transformer(config)
+    optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum().backward()
+    optimizer.step()
+    V, state = config.vocab_size, optimizer.state_dict()
+    old_state = {**state, "state": {i: {k: t[:V] if t.dim() == 2 and t.shape[0] > V else t for k, t in s.items()}
+                                    for i, s in state["state"].items()}}
+    old_model = SimpleNamespace(state_dict=lambda: {k: t[:V] if k == "embed.weight" else t
+                                                    for k, t in model.state_dict().items()})
+    save_checkpoint(tmp_path / "old.pt", kind="ar", config=config, model=old_model, optimizer=old_state)
+    assert torch.load(tmp_path / "old.pt", weights_only=True)["model"]["embed.weight"].shape == (V, 16)
+    ckpt = load_checkpoint(tmp_path / "old.pt")
+    assert ckpt["model"].keys() == model.state_dict().keys()
+    assert all(torch.equal(ckpt["model"][k], t) for k, t in model.state_dict().items())  # the padding: zeros
+    for i, moments in state["state"].items():
+        assert all(torch.equal(ckpt["optimizer"]["state"][i][k], t) for k, t in moments.items())
+    loaded, _ = load_model(tmp_path / "old.pt")
+    x = torch.tensor([[5, 6, 7]])
+    assert torch.equal(loaded(x), model(x))

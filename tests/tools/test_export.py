@@ -46,6 +46,8 @@ def transformers():
 
 
 def test_export_loads_back_with_the_same_tensors_for_every_kind(tmp_path, tiny_model):
+    from safetensors import safe_open
+
     from tinydiff.dflash import DFlashConfig, DFlashDrafter
     from tinydiff.dmoe import MoETransformer, moe_config
     from tinydiff.eagle3 import EagleConfig, EagleHead
@@ -66,6 +68,9 @@ def test_export_loads_back_with_the_same_tensors_for_every_kind(tmp_path, tiny_m
         assert all(torch.equal(ckpt["model"][n], saved["model"][n]) for n in saved["model"])
         config = json.loads((folder / "config.json").read_text())
         assert config["model_type"] == ("llama" if kind == "ar" else f"tinydiff-{kind}")
+        with safe_open(folder / "model.safetensors", "pt") as f:  # the true vocabulary: the padding stays behind
+            rows = [f.get_slice(n).get_shape()[0] for n in f.keys() if n.endswith(("embed.weight", "tokens.weight"))]
+        assert rows == ([] if kind in ("dflash", "eagle3") else [model.config.vocab_size])
     assert isinstance(drafter_from(load_checkpoint(tmp_path / "dflash"), target), DFlashDrafter)
     assert isinstance(head_from(load_checkpoint(tmp_path / "eagle3"), target), EagleHead)
     for kind in ("mdlm-moe", "ar-moe"):

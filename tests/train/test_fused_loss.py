@@ -1,8 +1,9 @@
 """Spec: train.py's AR and MDLM losses (tinydiff/train/fused_loss.py: the head fused with the cross-entropy, a
 chunk of rows at a time, MDLM's head on its masked rows only) are the core's losses: the same loss, stats
-and gradient of every parameter, in float64 (float64 rounding only, stats_helpers.EXACT), for every kind
-train.py trains with them (OBJECTIVES), with chunks that do not divide the rows; the same values without
-gradients (evaluation); and under bf16 autocast as close to float32's as the core's. Their memory is test_memory.py's.
+and gradient of every parameter (none to the padding rows, whatever they hold), in float64 (float64
+rounding only, stats_helpers.EXACT), for every kind train.py trains with them (OBJECTIVES), with chunks
+that do not divide the rows; the same values without gradients (evaluation); and under bf16 autocast as
+close to float32's as the core's. Their memory is test_memory.py's.
 """
 import pytest
 import torch
@@ -41,6 +42,9 @@ def run(loss_fn, model, windows, grad=True):
 @pytest.mark.parametrize("kind", MODELS)
 def test_train_pys_loss_is_the_cores_in_loss_stats_and_every_gradient(kind, monkeypatch):
     (model,), reference = float64(MODELS[kind][0]()), MODELS[kind][1]
+    with torch.no_grad():  # padding rows (model.padded_vocab) that would move the loss if it read them
+        padding = model.embed.weight[model.config.vocab_size:]
+        padding.copy_(100 * torch.randn(padding.shape, generator=torch.Generator().manual_seed(2)))
     monkeypatch.setattr(fused_loss, "ROWS", 7)  # several chunks, the last one short
     windows = torch.randint(0, 50257, (5, 32 + kind.startswith("ar")), generator=torch.Generator().manual_seed(0))
     theirs_loss, theirs_stats, theirs_grads = run(reference, model, windows)
