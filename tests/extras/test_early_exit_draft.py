@@ -4,7 +4,6 @@ through the target's own final norm and head; it trains and loads as any AR draf
 is checked where it enters, before any folder is made."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import train
 from tinydiff.checks import UserError
@@ -33,7 +32,7 @@ def test_the_new_draft_is_the_targets_early_exit(target_path, n):
     idx = torch.randint(0, target.config.vocab_size, (2, 20))
     with torch.no_grad():
         _, (hidden,) = target(idx, hidden_layers=[n])  # (2, 20, D): the residual stream after n blocks
-        exit_logits = F.linear(target.norm(hidden), target.embed.weight)  # (2, 20, V)
+        exit_logits = target.logits(hidden)  # (2, 20, V): the target's own norm and head
         assert (draft(idx) - exit_logits).abs().max() < 1e-12
         assert (target(idx) - exit_logits).abs().max() > 1e-3  # the later layers do change the prediction
 
