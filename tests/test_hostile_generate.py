@@ -86,7 +86,7 @@ EXPECTED = {  # what each damaged checkpoint is told
     "huge n_layer": "n_layer must be an integer >= 1 and <= 1,024", "n_head 0": "n_head must be an integer >= 1",
     "string size": "d_model must be an integer", "float size": "d_ff must be an integer",
     "norm_eps -1": "norm_eps must be a finite number > 0", "other vocabulary": "vocabulary of 1,000 ids",
-    "wrong shape": "embed.weight is (7, 7), its config needs (50258, 32)", "missing weights": "has no weights",
+    "wrong shape": "embed.weight is (7, 7), its config needs (50304, 32)", "missing weights": "has no weights",
     "missing config": "has no model config", "unknown kind": "kind 'gpt5'", "no kind": "kind None",
     "negative step": "the step count must be an integer >= 0", "NaN weights": "weight norm.weight holds NaN",
     "config a list": "has no model config", "weights not tensors": "has no weights",
