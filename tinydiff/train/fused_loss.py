@@ -44,11 +44,15 @@ class LinearCrossEntropy(torch.autograd.Function):
                 rows = slice(i, i + ROWS)
                 logits = (hc[rows] @ wc.T).to(ce.dtype)  # (n, V): the chunk's, in float32 (float64 stays)
                 logits[:, classes:] = float("-inf")  # no mass, so no gradient: the head's shape kept for the matmul
-                lse = logits.logsumexp(-1)  # (n,)
-                ce[rows] = lse - logits.gather(1, y[rows, None])[:, 0]
+                # CE = logsumexp - the target's logit, with one exponential pass: logsumexp itself would write
+                # a temporary (n, V) and the softmax would take a second pass.
+                top, picked = logits.amax(-1, keepdim=True), logits.gather(1, y[rows, None])  # (n, 1) each
+                g = logits.sub_(top).exp_()  # (n, V): exp(logit - max), in place of the logits
+                total = g.sum(-1, keepdim=True)  # (n, 1)
+                ce[rows] = (top + total.log() - picked)[:, 0]
                 if grad_h is None and grad_head is None:
                     continue
-                g = logits.sub_(lse[:, None]).exp_()  # (n, V): the softmax, in place of the logits
+                g.div_(total)  # the softmax
                 g[torch.arange(len(g), device=g.device), y[rows]] -= 1  # d CE / d logits, unweighted
                 g = g.to(dtype)
                 if grad_h is not None:
