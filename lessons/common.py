@@ -3,7 +3,7 @@
 Importing it puts the repository on sys.path (a lesson runs as a script, python lessons/NN_name.py) and
 points tiktoken at the workspace's offline cache (../shared/tiktoken-cache) where there is one. Then:
   setup(__doc__, quick, **files)  the title, the flags (--quick, --seed, the files a lesson can show),
-                                  one torch thread and the seed
+                                  one torch thread, freed memory kept (as every entry point) and the seed
   load(path, kinds, label)        a trained checkpoint's model, in eval mode
   load_drafter(path, target)      a trained DFlash drafter, around its target
   random_pair(), random_target()  the random AR models the speculative lessons use without checkpoints
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from tinydiff.checks import UserError  # noqa: E402
 from tinydiff.io.checkpoint import drafter_from, load_checkpoint, load_model  # noqa: E402
+from tinydiff.io.cpu_memory import keep_freed_memory  # noqa: E402
 from tinydiff.model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -46,7 +47,8 @@ def setup(doc: str, quick: str, needs: dict = {}, **files) -> argparse.Namespace
     --seed, and one flag per file it can show, files = {flag: ((default path, ...), help)}. A file flag not
     given takes the first default that exists, unless --quick: args.flag is then a path or None. A flag
     given whose partner needs[flag] is then None is an error (a drafter without its target). Then one
-    torch thread (small models run fastest so, and timings stay steady on shared cores) and the seed."""
+    torch thread (small models run fastest so, and timings stay steady on shared cores), freed memory kept
+    for the next step (tinydiff/io/cpu_memory.py: lesson 04 trains in half the time) and the seed."""
     title = doc.strip().splitlines()[0]
     parser = argparse.ArgumentParser(description=title)
     parser.add_argument("--quick", action="store_true", help=quick)
@@ -62,6 +64,7 @@ def setup(doc: str, quick: str, needs: dict = {}, **files) -> argparse.Namespace
         if flag in given and not getattr(args, partner):
             parser.error(f"--{flag} needs --{partner} (no default {partner} was found)")
     torch.set_num_threads(1)
+    keep_freed_memory()
     torch.manual_seed(args.seed)
     print(title + "\n")
     return args

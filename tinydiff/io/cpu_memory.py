@@ -11,9 +11,9 @@ GPU. The cost: freed memory stays mapped to the process instead of going back to
 its peak resident memory is higher (docs/LOG.md measures both sides); TINYDIFF_MALLOC=default
 trades the speed back for it.
 
-Set by every entry point (io/cli.run_main) and the test suite; a no-op off glibc (macOS, Windows, musl), and with
-TINYDIFF_MALLOC=default in the environment. Tensors and results are unchanged: only where freed
-memory goes.
+Set by every entry point (io/cli.run_main), the lessons (lessons/common.py) and the test suite; a
+no-op off glibc (macOS, Windows, musl), and with TINYDIFF_MALLOC=default in the environment. Tensors
+and results are unchanged: only where freed memory goes.
 """
 import ctypes
 import ctypes.util
