@@ -59,7 +59,7 @@ print(f"   This target has L = {L}: the drafter reads the outputs of blocks {con
 print("   turns those vectors into extra keys/values with its own projections; queries come only from the block.")
 n_own = sum(p.numel() for p in drafter.parameters())
 print(f"   The drafter: {config.n_layer} layer, {n_own:,} parameters of its own; the target's "
-      f"{target.num_params() - target.num_params(embedding=False):,}-weight embedding and head are borrowed, frozen.\n")
+      f"{target.config.vocab_size * target.config.d_model:,}-weight embedding and head are borrowed, frozen.\n")
 
 prompt = [EOT] + tok.encode("Once upon a time, there was a")
 block = block_input(prompt[-1], B)[0].tolist()
