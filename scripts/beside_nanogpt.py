@@ -38,6 +38,11 @@ SAME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(KEEP), "MALLOC_TRIM_THRESHOLD_": st
                "MALLOC_TOP_PAD_": str(64 << 20)}  # cpu_memory.keep_freed_memory's mallopt calls, as glibc reads them
 
 
+def last_line(res: subprocess.CompletedProcess) -> str:
+    """What a failed run said last: its error line, or its last output."""
+    return ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[-1]
+
+
 def tinydiff_run(data: str, cache: str, mode: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "train.py", "--model", "ar", "--preset", "13m", "--context", str(CONTEXT),
@@ -47,7 +52,7 @@ def tinydiff_run(data: str, cache: str, mode: str, steps: int) -> float:
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     done = re.search(r"done: .* at ([\d,]+) tok/s", res.stdout)
     if res.returncode or not done:
-        raise UserError(f"tinydiff --{mode} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+        raise UserError(f"tinydiff --{mode} failed: {last_line(res)}")
     return float(done.group(1).replace(",", ""))
 
 
@@ -67,8 +72,7 @@ def nanogpt_run(nanogpt: Path, train_bin: Path, val_bin: Path, mode: str, steps:
         res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     ms = [float(t) for t in re.findall(r"^iter \d+: .*time ([\d.]+)ms", res.stdout, re.M)]
     if res.returncode or len(ms) < 2:
-        raise UserError(f"nanoGPT --compile={mode == 'compile'} failed: "
-                        f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+        raise UserError(f"nanoGPT --compile={mode == 'compile'} failed: {last_line(res)}")
     return (len(ms) - 1) * BATCH * CONTEXT / (sum(ms[1:]) / 1000)  # iteration 0 also evaluates and compiles
 
 
