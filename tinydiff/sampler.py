@@ -19,6 +19,9 @@ Variants, each off by default:
     the default ranks by confidence, so that bound 0 is exactly LLaDA's one-token-per-step sampler;
     `remasking="left_to_right"` ranks by position, so a step commits the run of positions right
     after the committed text that fits under the bound (bound 0: AR order inside the block).
+    `remasking="top_margin"` (Kim et al. 2025, "Train for the Worst, Plan for the Best") ranks by the gap
+    between a position's two likeliest tokens: a position torn between two answers waits, however likely
+    each is (on Sudoku: lessons/16_sudoku.py, tinydiff/extras/sudoku.py).
     At T > 0 the rankings differ in kind: entropy and position are chosen before the draw, so each
     committed token is a fair sample of its position (one token per step: ancestral sampling in
     that order); confidence ranks the draws themselves and commits whichever position drew a
@@ -44,7 +47,7 @@ from tinydiff.diffusion import subs_logits
 from tinydiff.sampling import check_warp_args
 from tinydiff.tokenizer import MASK
 
-REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right")
+REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right", "top_margin")
 
 
 def commit_schedule(masks: int, steps: int) -> list[int]:
@@ -84,6 +87,9 @@ def propose(logits, temperature: float, remasking: str, generator=None):
         confidence = probs.gather(-1, candidates[:, None]).squeeze(-1)
     elif remasking == "low_entropy":
         confidence = -position_entropy(logits, temperature)
+    elif remasking == "top_margin":  # Kim et al. 2025: the gap between the two likeliest tokens
+        top2 = torch.softmax(logits, -1).topk(2, -1).values  # (N, 2)
+        confidence = top2[:, 0] - top2[:, 1]
     elif remasking == "left_to_right":  # the leftmost masked position first: the rows come in position order
         confidence = -torch.arange(len(logits), device=logits.device, dtype=torch.float64)
     else:

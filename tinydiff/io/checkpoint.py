@@ -4,6 +4,7 @@ A checkpoint is a plain dict of tensors and Python primitives, so `torch.load(we
 can read it without unpickling code:
   format, version   marks the file as ours
   kind              "ar", "mdlm", "mdlm-moe", "ar-moe", "dflash", "eagle3": which objective trained it
+                    (or "sudoku-mdlm", "sudoku-ar": the Sudoku lesson's models, which also record their "board")
   config            the ModelConfig as a dict
   model             the state dict
   optimizer         AdamW state (absent in weights-only exports)
@@ -41,7 +42,8 @@ from tinydiff.tokenizer import VOCAB_SIZE
 
 FORMAT = "tinydiff-checkpoint"
 VERSION = 2  # 1: DFlash feature ids counted blocks, where a field did not say otherwise (dflash_config)
-KINDS = ("mdlm", "ar", "mdlm-moe", "ar-moe", "dflash", "eagle3")
+KINDS = ("mdlm", "ar", "mdlm-moe", "ar-moe", "dflash", "eagle3")  # what train.py trains
+SUDOKU_KINDS = ("sudoku-mdlm", "sudoku-ar")  # the Sudoku lesson's models (tinydiff/extras/sudoku_train.py)
 
 
 def save_checkpoint(path, *, kind: str, config: ModelConfig, model, **extra):
@@ -105,9 +107,9 @@ def read_checkpoint(path: Path, map_location) -> dict:
 def check_contents(ckpt: dict, path):
     """What a checkpoint holds, before anything is built from it: each key's type, a known kind, a
     step count, finite weights (the config's values are checked by its class, in kinds.config_from)."""
-    if ckpt.get("kind") not in KINDS:
+    if ckpt.get("kind") not in KINDS + SUDOKU_KINDS:
         raise UserError(f"{path} names no model kind this code knows (kind {ckpt.get('kind')!r}, not one of "
-                        f"{', '.join(KINDS)}); pass a checkpoint written by train.py")
+                        f"{', '.join(KINDS + SUDOKU_KINDS)}); pass a checkpoint written by train.py")
     config, weights = ckpt.get("config"), ckpt.get("model")
     if not isinstance(config, dict) or not all(isinstance(key, str) for key in config):
         raise UserError(f"{path} has no model config (a dict of settings): it is damaged; pass another checkpoint")
