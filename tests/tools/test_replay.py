@@ -178,6 +178,51 @@ def test_stepping_to_step_i_shows_the_canvas_recorded_at_step_i(models, tok, tmp
     assert dom.text["text"] == "Once upon a time" + tok.decode(story)
 
 
+def sudoku_run():
+    """A random Sudoku model solving one held-out puzzle in the margin order, recorded: (recorder, the events,
+    the puzzle, the filled board)."""
+    from tinydiff.extras.sudoku import Board, held_out, solve, sudoku_model
+    board = Board(2, 3)
+    torch.manual_seed(0)
+    model = sudoku_model(board, causal=False, n_layer=1, d_model=16, d_ff=32).eval()
+    puzzle, _ = held_out(board, 1, 27)
+    seen = []
+    recorder = Recorder("sudoku, top_margin", None, [], "6x6 Sudoku, 27 holes", board=board, puzzle=puzzle[0])
+    filled, _ = solve(model, puzzle, "top_margin", callback=lambda e: (seen.append(e), recorder(e)))
+    return recorder, seen, puzzle[0], filled[0]
+
+
+def test_a_sudoku_run_is_recorded_from_its_givens_one_cell_a_step():
+    recorder, seen, puzzle, filled = sudoku_run()
+    page = recorder.page()
+    assert page["board"] == [2, 3] and page["start"] == puzzle.tolist() and len(page["steps"]) == len(seen) == 27
+    assert page["pieces"] == {i: str(i + 1) for i in range(6)}
+    canvas = list(page["start"])
+    for step, event in zip(page["steps"], seen):
+        assert len(step["set"]) == 1 and canvas[step["set"][0][0]] == MASK
+        canvas[step["set"][0][0]] = step["set"][0][1]
+        assert canvas == event["canvas"].tolist()
+    assert canvas == filled.tolist()
+
+
+@browser
+def test_the_page_draws_a_sudoku_run_as_its_board(tmp_path):
+    """Step i shows the board after i cells: the givens in bold, the cell filled at step i marked, thick lines
+    between the boxes (after rows 2 and 4, before column 4 of a 6x6 board)."""
+    recorder, seen, puzzle, _ = sudoku_run()
+    page = tmp_path / "sudoku.html"
+    recorder.write(page)
+    for step in (0, 1, 27):
+        dom = render_dom(page, tmp_path, step)
+        squares = [attrs for tag, attrs in dom.tags if attrs.get("class", "").startswith("sq ")]
+        expected = puzzle.tolist() if step == 0 else seen[step - 1]["canvas"].tolist()
+        assert [int(a["data-id"]) for a in squares] == expected
+        kinds = [a["class"].split()[1] for a in squares]
+        assert kinds.count("given") == 9 and kinds.count("mask") == 27 - step and kinds.count("new") == min(step, 1)
+        assert sum(" top" in a["class"] for a in squares) == 12 and sum(" left" in a["class"] for a in squares) == 6
+    assert "row " in dom.text["info"] and dom.text["where"].endswith("27 / 27")
+
+
 def run(*args):
     return run_in_process(generate.main, *args)
 

@@ -18,6 +18,8 @@ The page gets only data: the events as JSON inside a <script type="application/j
 escaped (so no text, a prompt's "</script>" included, can end the script), and its JavaScript writes
 text with textContent, never as HTML. Each token travels as its bytes (a string of chars 0-255): the
 page decodes them as UTF-8 itself, so the text it shows is the tokens', not a copy of the run's.
+A Sudoku run (tinydiff/extras/sudoku.py's solve, lessons/16_sudoku.py) is a diffusion run whose canvas starts with
+the puzzle's givens: the page draws it as the board, boxes outlined, givens in bold.
 Leaves out: batches, plain AR decoding (one token a forward: nothing to see), live streaming to the page.
 """
 import json
@@ -45,9 +47,14 @@ def check_page_path(path, what: str = "--html", overwrite: bool = False):
 class Recorder:
     """Callable as a diffusion sampler's callback and as a speculative loop's on_round: keeps each event."""
 
-    def __init__(self, method: str, tokenizer, prompt: list[int], prompt_text: str, model=None):
+    def __init__(self, method: str, tokenizer, prompt: list[int], prompt_text: str, model=None, board=None,
+                 puzzle=None):
+        """A Sudoku run: its board (extras.sudoku.Board) and puzzle (cells ids, HOLE where empty); the tokenizer is
+        not read, the prompt is empty and the canvas starts as the puzzle."""
         self.method, self.tokenizer, self.prompt, self.prompt_text = method, tokenizer, prompt, prompt_text
-        self.steps, self.canvas, self.seq = [], None, list(prompt)
+        self.steps, self.seq = [], list(prompt)
+        self.board, self.start = board, None if puzzle is None else [int(i) for i in puzzle]
+        self.canvas = self.start
         self.layers = [m for m in model.modules() if hasattr(m, "router")] if model is not None else []
         self.routing = []  # per diffusion step: per MoE layer (experts (T, k), token routing's (T, k))
 
@@ -106,15 +113,19 @@ class Recorder:
 
     def page(self) -> dict:
         """What the page replays: the method, the prompt's text, every event, each token's bytes."""
-        ids = {self.prompt[-1]} | {i for step in self.steps for _, i in step.get("set", [])}
+        ids = set(self.prompt[-1:]) | {i for step in self.steps for _, i in step.get("set", [])}
         for step in self.steps:
             ids |= {*step.get("tokens", []), *step.get("drafts", []), *(node[0] for node in step.get("nodes", []))}
-        pieces = {i: self.tokenizer.bpe.decode_single_token_bytes(i).decode("latin-1") for i in sorted(ids)
-                  if i not in (MASK, EOT)}  # bytes 0-255 as chars 0-255: JSON carries them, the page decodes UTF-8
+        if self.board is not None:  # a Sudoku board's ids are its digits 1..n
+            pieces = {i: str(i + 1) for i in range(self.board.n)}
+        else:  # bytes 0-255 as chars 0-255: JSON carries them, the page decodes UTF-8
+            pieces = {i: self.tokenizer.bpe.decode_single_token_bytes(i).decode("latin-1") for i in sorted(ids)
+                      if i not in (MASK, EOT)}
         kind = "diffusion" if self.canvas is not None else "tree" if any("nodes" in s for s in self.steps) else "chain"
+        board = None if self.board is None else [self.board.box_rows, self.board.box_cols]
         return {"method": self.method, "kind": kind, "prompt": self.prompt_text, "length": len(self.canvas or []),
                 "block": self.block_length(), "mask": MASK, "eot": EOT, "pieces": pieces, "steps": self.steps,
-                "experts": self.experts()}
+                "experts": self.experts(), "board": board, "start": self.start}
 
     def write(self, path, overwrite: bool = False) -> str:
         """The page, written atomically to `path`; returns the path."""
