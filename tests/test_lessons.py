@@ -93,4 +93,12 @@ def test_lesson_runs_as_the_index_says_without_checkpoints(lesson, tmp_path):
         assert len(differences) == 2 and max(differences) < 1e-10
         verdicts = re.findall(r"same tokens as eager \(greedy\): (\w+)", res.stdout)
         assert verdicts == ["True", "True"]
+    if lesson.name == "16_sudoku.py":  # the claims: a planned order solves what random order and the AR model cannot,
+        best, random_order, ar = (float(x) for x in re.search(  # and threshold rules keep it in fewer forwards
+            r"best order: \w+ ([\d.]+)% \| random: ([\d.]+)% \| ar: ([\d.]+)%", res.stdout).groups())
+        assert best >= 40 and best >= 2 * random_order and best >= 2 * ar
+        rules = {what: (float(rate), float(per_hole)) for what, rate, per_hole in
+                 re.findall(r"^   top_margin, (.+?)\s+([\d.]+)%\s+[\d.]+\s+([\d.]+)$", res.stdout, re.M)}
+        (one, _), (waiting, per_hole) = rules["cells per step 1"], rules["threshold 0.99"]
+        assert len(rules) == 9 and waiting >= one - 2 and per_hole < 1
     assert not list(tmp_path.iterdir())  # and wrote nothing where it was run
