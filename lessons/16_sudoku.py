@@ -73,8 +73,8 @@ print(f"   {'order':<22} solved  forwards")
 for what, rate, forwards in [*rows["orders"], rows["ar"]]:
     print(f"   {what:<22} {rate:6.1%}  {forwards:8.1f}")
 best = max(rows["orders"], key=lambda row: row[1])
-rate = {what: r for what, r, _ in rows["orders"]}
-print(f"   best order: {best[0]} {best[1]:.1%} | random: {rate['random']:.1%} | ar: {rows['ar'][1]:.1%}")
+random_order = next(r for what, r, _ in rows["orders"] if what == "random")
+print(f"   best order: {best[0]} {best[1]:.1%} | random: {random_order:.1%} | ar: {rows['ar'][1]:.1%}")
 
 print("\n4. Why: before the first step the model is sure of some holes and unsure of others. Its margins (top")
 print("   probability minus the second) on the first puzzle:")
@@ -84,7 +84,12 @@ top2 = probs.topk(2, -1).values
 margin = top2[:, 0] - top2[:, 1]
 open_cells = (puzzle[0] == HOLE).nonzero()[:, 0].tolist()
 ranked = sorted(open_cells, key=lambda i: -margin[i])
-where = lambda i: f"row {i // board.n + 1} column {i % board.n + 1}"  # noqa: E731
+
+
+def where(cell: int) -> str:
+    return f"row {cell // board.n + 1} column {cell % board.n + 1}"
+
+
 print("   surest: " + ", ".join(f"{where(i)} {margin[i]:.2f}" for i in ranked[:3]))
 print(f"   the first hole in reading order, where left to right must start: {where(open_cells[0])} "
       f"{margin[open_cells[0]]:.2f}")

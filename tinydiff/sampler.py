@@ -22,7 +22,7 @@ Variants, each off by default:
     `remasking="top_margin"` (Kim et al. 2025, "Train for the Worst, Plan for the Best") ranks by the gap
     between a position's two likeliest tokens: a position torn between two answers waits, however likely
     each is (on Sudoku: lessons/16_sudoku.py, tinydiff/extras/sudoku.py).
-    At T > 0 the rankings differ in kind: entropy and position are chosen before the draw, so each
+    At T > 0 the rankings differ in kind: entropy, margin and position are chosen before the draw, so each
     committed token is a fair sample of its position (one token per step: ancestral sampling in
     that order); confidence ranks the draws themselves and commits whichever position drew a
     likely token, a mode. For a model sure of many positions that collapses diversity;

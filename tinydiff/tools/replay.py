@@ -49,8 +49,8 @@ class Recorder:
 
     def __init__(self, method: str, tokenizer, prompt: list[int], prompt_text: str, model=None, board=None,
                  puzzle=None):
-        """A Sudoku run: its board (extras.sudoku.Board) and puzzle (cells ids, HOLE where empty); the tokenizer is
-        not read, the prompt is empty and the canvas starts as the puzzle."""
+        """board, puzzle: a Sudoku run's board (extras.sudoku.Board) and puzzle (its cells' ids, HOLE where empty);
+        the tokenizer is then not read, the prompt is empty and the canvas starts as the puzzle."""
         self.method, self.tokenizer, self.prompt, self.prompt_text = method, tokenizer, prompt, prompt_text
         self.steps, self.seq = [], list(prompt)
         self.board, self.start = board, None if puzzle is None else [int(i) for i in puzzle]
