@@ -144,6 +144,12 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
         raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
                         f"gen length {gen_length} (one token per step)")
     check_warp_args(temperature, None, None)
+    check_rule(remasking, threshold, entropy_bound)
+    return blocks, steps // blocks
+
+
+def check_rule(remasking, threshold, entropy_bound):
+    """The order a step ranks positions in, and what decides how many it commits: what `commit` reads."""
     if remasking not in REMASKING:
         raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
     if threshold is not None and not 0 < threshold <= 1:
@@ -155,7 +161,6 @@ def check_args(model, prompt, gen_length, steps, block_length, temperature, rema
         raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
     if threshold is not None and entropy_bound is not None:
         raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")
-    return blocks, steps // blocks
 
 
 def block_causal_mask(block_ids):

@@ -199,7 +199,7 @@ def test_a_damaged_sudoku_checkpoint_is_one_line(tmp_path):
     assert res.returncode == 1 and "is a file, not a folder" in last_line(res.stderr)
 
 
-@pytest.mark.parametrize("rule, message", [({"order": "diagonal"}, "order must be one of"),
+@pytest.mark.parametrize("rule, message", [({"order": "diagonal"}, "remasking must be one of"),
                                            ({"cells_per_step": 0}, "cells per step must be an integer >= 1"),
                                            ({"threshold": 1.5}, "threshold must lie in"),
                                            ({"entropy_bound": -1.0}, "entropy bound must be"),

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tinydiff.checks import UserError
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.sampler import REMASKING, commit
+from tinydiff.sampler import check_rule, commit
 from tinydiff.tokenizer import MASK
 
 HOLE = MASK  # a hole is the core's MASK: what its noising writes and its sampler fills
@@ -270,7 +270,9 @@ def solve(model, puzzle, order: str = "top_margin", cells_per_step: int = 1, thr
     it (at least one either way). Givens never change. callback(event) sees the first board's steps, as the
     samplers' callbacks see theirs (the replay page).
     """
-    check_rule(order, cells_per_step, threshold, entropy_bound)
+    if type(cells_per_step) is not int or cells_per_step < 1:
+        raise UserError(f"cells per step must be an integer >= 1, got {cells_per_step!r}")
+    check_rule(order, threshold, entropy_bound)  # the core sampler's own checks
     board = puzzle.clone()
     confidences = torch.full(board.shape, float("inf"), dtype=torch.float64, device=board.device)  # givens: inf
     forwards = torch.zeros(len(board), dtype=torch.long, device=board.device)
@@ -299,17 +301,3 @@ def solve_ar(model, puzzle):
             forwards += given == HOLE
         seq = torch.cat([seq, guess[:, None]], 1)
     return seq[:, puzzle.shape[1]:], forwards
-
-
-def check_rule(order: str, cells_per_step: int, threshold, entropy_bound):
-    """The rules solve() takes, as the core's sampler checks its own (sampler.check_args)."""
-    if order not in REMASKING:
-        raise UserError(f"order must be one of {', '.join(REMASKING)}, got {order!r}")
-    if type(cells_per_step) is not int or cells_per_step < 1:
-        raise UserError(f"cells per step must be an integer >= 1, got {cells_per_step!r}")
-    if threshold is not None and not 0 < threshold <= 1:
-        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
-    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
-        raise UserError(f"entropy bound must be a finite number of nats >= 0, got {entropy_bound}")
-    if threshold is not None and entropy_bound is not None:
-        raise UserError("pass a threshold or an entropy bound, not both: each decides how many cells a step fills")
