@@ -170,7 +170,8 @@ def test_the_trainer_saves_both_models_that_load_and_refuses_a_second_run_into_t
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--board", "2x5"], "--board must be BOX_ROWSxBOX_COLS, each 1 to 4"),
+    (["--board", "2x5"], "--board must be BOX_ROWSxBOX_COLS, each 2 to 4"),
+    (["--board", "1x1"], "--board must be BOX_ROWSxBOX_COLS, each 2 to 4"),
     (["--board", "three"], "--board must be BOX_ROWSxBOX_COLS"),
     (["--holes", 36], "--holes must leave some givens"),
     (["--puzzles", 1001], "--puzzles"),

@@ -80,8 +80,8 @@ def load(path, kind: str, device="cpu"):
     """(model in eval mode, checkpoint dict) of a Sudoku model of `kind` ("mdlm" or "ar") saved by this trainer."""
     ckpt = load_checkpoint(path, kinds=(KINDS[kind],))
     shape = ckpt.get("board")
-    if not (isinstance(shape, list) and len(shape) == 2 and all(type(s) is int and 1 <= s <= 4 for s in shape)):
-        raise UserError(f"{path}: its board is not [box rows, box cols] of 1 to 4 each: it is damaged")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(s) is int and 2 <= s <= 4 for s in shape)):
+        raise UserError(f"{path}: its board is not [box rows, box cols] of 2 to 4 each: it is damaged")
     board = Board(*shape)
     try:
         config = ModelConfig(**ckpt["config"])
@@ -134,8 +134,8 @@ def fewest_forwards(rows: dict, best: float, holes: float, points: float = 0.02)
 
 def parse_board(text: str) -> Board:
     rows, _, cols = text.partition("x")
-    if not (rows.isdigit() and cols.isdigit() and 1 <= int(rows) <= 4 and 1 <= int(cols) <= 4):
-        raise UserError(f"--board must be BOX_ROWSxBOX_COLS, each 1 to 4 (2x3: a 6x6 board, 3x3: 9x9), got {text!r}")
+    if not (rows.isdigit() and cols.isdigit() and 2 <= int(rows) <= 4 and 2 <= int(cols) <= 4):
+        raise UserError(f"--board must be BOX_ROWSxBOX_COLS, each 2 to 4 (2x3: a 6x6 board, 3x3: 9x9), got {text!r}")
     return Board(int(rows), int(cols))
 
 
@@ -192,4 +192,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(run_main(main, interrupted="a model is saved when its minutes are over, in --out"))
