@@ -111,7 +111,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     propose: the draft step, draft_round's arguments and returns (frequent_vocab.subset_draft_round
     for a draft that scores a subset of the vocabulary).
 
-    Returns (new ids, tally.Speculated): one target forward per round (the prompt's prefill rides
+    Returns (new ids, Speculated): one target forward per round (the prompt's prefill rides
     along with the first), one draft forward per draft, and the time spent drafting and verifying.
     """
     if not isinstance(k, int) or k < 1:
