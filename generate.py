@@ -22,7 +22,16 @@ import sys
 import torch
 
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, UserError
-from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, drafter_from, load_checkpoint, load_model
+from tinydiff.io.checkpoint import (
+    AR_KINDS,
+    DIFFUSION_KINDS,
+    MOE_KINDS,
+    drafter_from,
+    head_from,
+    load_checkpoint,
+    load_model,
+    model_from,
+)
 from tinydiff.io.cli import (
     add_compile,
     check_device,
@@ -116,7 +125,6 @@ def run_ar(model, prompt, args, generator):
 
 
 def run_spec(model, prompt, args, generator):
-    from tinydiff.io.checkpoint import model_from
     from tinydiff.speculative import speculative_generate
     draft = model_from(draft_checkpoint(args, "spec"), args.draft, args.device).eval()
     k = args.k or 4
@@ -126,7 +134,6 @@ def run_spec(model, prompt, args, generator):
 
 
 def run_ssd(model, prompt, args, generator):
-    from tinydiff.io.checkpoint import model_from
     from tinydiff.ssd import ssd_generate
     draft = model_from(draft_checkpoint(args, "ssd"), args.draft, args.device).eval()
     if args.device == "cpu":
@@ -156,7 +163,6 @@ def run_ddtree(model, prompt, args, generator):
 
 def run_eagle3(model, prompt, args, generator):
     from tinydiff.eagle3 import eagle_generate
-    from tinydiff.io.checkpoint import head_from
     head = head_from(draft_checkpoint(args, "eagle3"), model, args.draft)
     k = args.k or 4
     model = compiled(args, {"target": model}, "eagle3", k=k, budget=args.budget)["target"]
