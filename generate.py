@@ -22,7 +22,16 @@ import sys
 import torch
 
 from tinydiff.checks import BLOCK, COUNT, COUNT_OR_NONE, MASS, NATS, UserError
-from tinydiff.io.checkpoint import AR_KINDS, DIFFUSION_KINDS, MOE_KINDS, drafter_from, load_checkpoint, load_model
+from tinydiff.io.checkpoint import (
+    AR_KINDS,
+    DIFFUSION_KINDS,
+    MOE_KINDS,
+    drafter_from,
+    head_from,
+    load_checkpoint,
+    load_model,
+    model_from,
+)
 from tinydiff.io.cli import (
     add_compile,
     check_device,
@@ -85,78 +94,14 @@ def speculative_config(args):
         raise UserError(f"--speculative-config names the method, the draft and its drafts per round: drop "
                         f"{', '.join(clash)}")
     n = config.get("num_speculative_tokens")
-    args.method, args.draft, args.k = ("dflash" if config["method"] == "dflash" else "spec"), config["model"], \
-        None if n is None else COUNT.check("--speculative-config's num_speculative_tokens", n)
+    args.method = "dflash" if config["method"] == "dflash" else "spec"
+    args.draft = config["model"]
+    args.k = None if n is None else COUNT.check("--speculative-config's num_speculative_tokens", n)
     args.given |= {"method", "draft", "k"}
 
 
-def compiled(args, model, hot):
-    """The model with its decoding steps compiled for the token counts in `hot` (--compile), else as it is."""
-    if not args.compile:
-        return model
-    from tinydiff.fast.compiled import compiled as compile_model
-    args.compiled.append(compile_model(model, hot, args.compile))
-    return args.compiled[-1]
-
-
-def decode(method, model, prompt, args, generator):
-    """(new ids, result) of `method` on `model`; each method's module imported only when it runs."""
-    warping, loop = (args.temperature, args.top_k or None, args.top_p), dict(generator=generator, on_round=args.view)
-    new = args.max_new_tokens
-    if method == "ar":
-        from tinydiff.ar import ar_generate
-        return ar_generate(compiled(args, model, (1,)), prompt, new, *warping, generator)
-    if method in DIFFUSION:
-        from tinydiff.sampler import diffusion_lengths, generate, generate_cached
-        new, block = diffusion_lengths(model, prompt, new, args.block_length)
-        rule = dict(threshold=args.threshold, entropy_bound=args.entropy_bound, generator=generator,
-                    callback=args.view)
-        if method == "diffusion":
-            return generate(model, prompt, new, args.steps or new, block, args.temperature, **rule)
-        model = compiled(args, model, (block + model.config.shift, 2 * block + model.config.shift))
-        return generate_cached(model, prompt, new, args.steps or new, block, args.temperature, **rule)
-    if not args.draft:
-        raise UserError(f"--method {method} needs --draft CKPT (a {DRAFT_KINDS[method]} model trained for --ckpt)")
-    draft_ckpt = load_checkpoint(args.draft, kinds=(DRAFT_KINDS[method],))
-    k = args.k or 4
-    if method in ("spec", "ssd"):
-        from tinydiff.io.checkpoint import model_from
-        draft = model_from(draft_ckpt, args.draft, args.device).eval()
-        if method == "ssd":
-            from tinydiff.ssd import ssd_generate
-            if args.device == "cpu":
-                torch.set_num_threads(1)  # the draft's thread and the target's each get one core
-            return ssd_generate(model, draft, prompt, new, k, 3, *warping, threaded=True, **loop)
-        from tinydiff.speculative import speculative_generate
-        return speculative_generate(compiled(args, model, (k + 1,)), compiled(args, draft, (1, 2)), prompt, new, k,
-                                    *warping, **loop)
-    if method == "eagle3":
-        from tinydiff.eagle3 import eagle_generate
-        from tinydiff.io.checkpoint import head_from
-        head = head_from(draft_ckpt, model, args.draft)
-        model = compiled(args, model, (k + 1 if args.budget is None else args.budget + 1,))
-        return eagle_generate(model, head, prompt, new, k, args.budget, 4, *warping, **loop)
-    drafter = drafter_from(draft_ckpt, model, args.draft)
-    B = BLOCK.check("--k + 1 (the drafter's block)", k + 1) if args.k else drafter.config.block_size
-    if method == "dflash":
-        from tinydiff.dflash import dflash_generate
-        return dflash_generate(compiled(args, model, (B,)), compiled(args, drafter, (B,)), prompt, new, B, *warping,
-                               **loop)
-    from tinydiff.ddtree import ddtree_generate
-    budget = args.budget or 32
-    return ddtree_generate(compiled(args, model, (budget + 1,)), compiled(args, drafter, (B,)), prompt, new, B,
-                           budget, *warping, **loop)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    check_device(args.device)
-    if args.html:  # before any work: the page can be written; a Recorder, the loop's callback, keeps every step
-        from tinydiff.tools.replay import Recorder, check_page_path
-        check_page_path(args.html)
-    if args.speculative_config:
-        speculative_config(args)
-    model, ckpt = load_model(args.ckpt, args.device, kinds=sum(METHODS.values(), ()))
+def check_method(args, ckpt) -> str:
+    """The method to run, checked against the checkpoint and the flags given, before any work."""
     method = args.method or ("diffusion" if ckpt["kind"] in DIFFUSION_KINDS else "ar")
     if ckpt["kind"] not in METHODS[method]:
         raise UserError(f"--method {method} needs a {' or '.join(METHODS[method])} checkpoint; {args.ckpt} holds a "
@@ -165,29 +110,176 @@ def main(argv=None):
     if stray:
         raise UserError(f"{', '.join(stray)} do{'es' if len(stray) == 1 else ''} not apply to --method {method}; "
                         f"drop {'it' if len(stray) == 1 else 'them'}")
-    moe = ckpt["kind"] in MOE_KINDS
-    if args.compile and moe:
+    if args.compile and ckpt["kind"] in MOE_KINDS:
         raise UserError("--compile does not cover mixture-of-experts checkpoints (their routing has no fixed shapes)")
+    return method
+
+
+# Each method: its core loop, imported when it runs, called with what the flags say. They share the target
+# `model`, the encoded `prompt`, the parsed `args` and the seeded `generator`, and return (new ids, result).
+
+def run_ar(model, prompt, args, generator):
+    from tinydiff.ar import ar_generate
+    models = compiled(args, {"target": model}, "ar")
+    return ar_generate(models["target"], prompt, args.max_new_tokens, *warping(args), generator)
+
+
+def run_spec(model, prompt, args, generator):
+    from tinydiff.speculative import speculative_generate
+    draft = model_from(draft_checkpoint(args, "spec"), args.draft, args.device).eval()
+    k = args.k or 4
+    models = compiled(args, {"target": model, "draft": draft}, "spec", k=k)
+    return speculative_generate(models["target"], models["draft"], prompt, args.max_new_tokens, k, *warping(args),
+                                **loop(args, generator))
+
+
+def run_ssd(model, prompt, args, generator):
+    from tinydiff.ssd import ssd_generate
+    draft = model_from(draft_checkpoint(args, "ssd"), args.draft, args.device).eval()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the draft's thread and the target's each get one core
+    return ssd_generate(model, draft, prompt, args.max_new_tokens, args.k or 4, 3, *warping(args), threaded=True,
+                        **loop(args, generator))
+
+
+def run_dflash(model, prompt, args, generator):
+    from tinydiff.dflash import dflash_generate
+    drafter = drafter_from(draft_checkpoint(args, "dflash"), model, args.draft)
+    B = block_size(args, drafter)
+    models = compiled(args, {"target": model, "drafter": drafter}, "dflash", block_size=B)
+    return dflash_generate(models["target"], models["drafter"], prompt, args.max_new_tokens, B, *warping(args),
+                           **loop(args, generator))
+
+
+def run_ddtree(model, prompt, args, generator):
+    from tinydiff.ddtree import ddtree_generate
+    drafter = drafter_from(draft_checkpoint(args, "ddtree"), model, args.draft)
+    B = block_size(args, drafter)
+    budget = args.budget or 32
+    models = compiled(args, {"target": model, "drafter": drafter}, "ddtree", block_size=B, budget=budget)
+    return ddtree_generate(models["target"], models["drafter"], prompt, args.max_new_tokens, B, budget,
+                           *warping(args), **loop(args, generator))
+
+
+def run_eagle3(model, prompt, args, generator):
+    from tinydiff.eagle3 import eagle_generate
+    head = head_from(draft_checkpoint(args, "eagle3"), model, args.draft)
+    k = args.k or 4
+    model = compiled(args, {"target": model}, "eagle3", k=k, budget=args.budget)["target"]
+    return eagle_generate(model, head, prompt, args.max_new_tokens, k, args.budget, 4, *warping(args),
+                          **loop(args, generator))
+
+
+def run_diffusion(model, prompt, args, generator):
+    from tinydiff.sampler import diffusion_lengths, generate
+    new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
+    return generate(model, prompt, new, args.steps or new, block, args.temperature, **rule(args, generator))
+
+
+def run_diffusion_cached(model, prompt, args, generator):
+    from tinydiff.sampler import diffusion_lengths, generate_cached
+    new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
+    shape = {"block_length": block, "shift": int(model.config.shift)}
+    model = compiled(args, {"target": model}, "diffusion-cached", **shape)["target"]
+    return generate_cached(model, prompt, new, args.steps or new, block, args.temperature, **rule(args, generator))
+
+
+RUN = {  # method -> the function that runs it
+    "ar": run_ar,
+    "spec": run_spec,
+    "ssd": run_ssd,
+    "dflash": run_dflash,
+    "ddtree": run_ddtree,
+    "eagle3": run_eagle3,
+    "diffusion": run_diffusion,
+    "diffusion-cached": run_diffusion_cached,
+}
+
+
+def warping(args) -> tuple:
+    """(temperature, top_k, top_p), as every AR-family loop takes them; --top-k 0: all tokens."""
+    return args.temperature, args.top_k or None, args.top_p
+
+
+def loop(args, generator) -> dict:
+    """The draft/verify loops' keywords: the random stream, and the view that sees each round."""
+    return {"generator": generator, "on_round": args.view}
+
+
+def rule(args, generator) -> dict:
+    """The diffusion samplers' keywords: the commit rule, the random stream, the view that sees each step."""
+    return {"threshold": args.threshold, "entropy_bound": args.entropy_bound, "generator": generator,
+            "callback": args.view}
+
+
+def draft_checkpoint(args, method: str) -> dict:
+    """--draft read as the kind of draft `method` runs (a user mistake: one line, before decoding)."""
+    if not args.draft:
+        raise UserError(f"--method {method} needs --draft CKPT (a {DRAFT_KINDS[method]} model trained for --ckpt)")
+    return load_checkpoint(args.draft, kinds=(DRAFT_KINDS[method],))
+
+
+def block_size(args, drafter) -> int:
+    """A DFlash block: --k drafts and the token before them, else the block the drafter was trained with."""
+    if args.k:
+        return BLOCK.check("--k + 1 (the drafter's block)", args.k + 1)
+    return drafter.config.block_size
+
+
+def compiled(args, models: dict, method: str, **shape) -> dict:
+    """`models` (role -> model) with each role's decoding steps compiled for the token counts `method` reads
+    (--compile; `shape`: fast.compiled.hot_steps' keywords, the table the bench compiles by), else as they are."""
+    if not args.compile:
+        return models
+    from tinydiff.fast.compiled import compile_all, hot_steps
+    models = compile_all(models, hot_steps(method, **shape), args.compile)
+    args.compiled += models.values()
+    return models
+
+
+def view(args, method: str, tokenizer, prompt, model):
+    """The loop's callback: with --html a Recorder keeps every step; a diffusion canvas on a terminal is drawn
+    live by a CanvasView; else None."""
+    if args.html:
+        from tinydiff.tools.replay import Recorder
+        return Recorder(method, tokenizer, prompt, args.prompt, model)
+    if method in DIFFUSION and sys.stdout.isatty() and not args.json:
+        from tinydiff.tools.replay import CanvasView
+        return CanvasView(tokenizer, args.prompt, len(prompt))
+    return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_device(args.device)
+    if args.html:  # before any work: the page can be written
+        from tinydiff.tools.replay import check_page_path
+        check_page_path(args.html)
+    if args.speculative_config:
+        speculative_config(args)
+    model, ckpt = load_model(args.ckpt, args.device, kinds=sum(METHODS.values(), ()))
+    method = check_method(args, ckpt)
+    tokenizer, prompt = encode_prompt(args.prompt)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    if args.temperature is None:
+        args.temperature = 0.0 if method in DIFFUSION else 0.8
+    args.compiled = []
+    args.view = view(args, method, tokenizer, prompt, model)
+    moe = ckpt["kind"] in MOE_KINDS
     if moe:  # it decodes with the routing it was saved with (train.py --init CKPT --routing block converts one)
         from tinydiff.bench.moe_stats import moe_stats, reset_stats
         reset_stats(model)
-    (tokenizer, prompt), generator = encode_prompt(args.prompt), torch.Generator(args.device).manual_seed(args.seed)
-    args.temperature = (0.0 if method in DIFFUSION else 0.8) if args.temperature is None else args.temperature
-    animate = method in DIFFUSION and sys.stdout.isatty() and not (args.json or args.html)  # on a terminal: watch it
-    args.compiled, args.view = [], None
-    if args.html or animate:  # the loop's callback: a Recorder keeps every step, a CanvasView draws it live
-        from tinydiff.tools.replay import CanvasView
-        args.view = Recorder(method, tokenizer, prompt, args.prompt, model) if args.html else \
-            CanvasView(tokenizer, args.prompt, len(prompt))
-    ids, result = decode(method, model, prompt, args, generator)
-    if animate:
-        args.view.clear()  # the final text, cut at the story's end, replaces the last frame
+
+    ids, result = RUN[method](model, prompt, args, generator)
+
     stats = result.row() | (moe_stats(model) if moe else {})
     if args.compile:  # seconds (and tokens_per_s) include it: the first call of each step compiles it
         from tinydiff.fast.compiled import compile_seconds
         stats["compile_seconds"] = compile_seconds(args.compiled)
     if args.html:
         stats["page"] = args.view.write(args.html)
+    elif args.view is not None:
+        args.view.clear()  # the final text, cut at the story's end, replaces the last frame
     print_story(args, tokenizer, prompt, ids, stats)
 
 

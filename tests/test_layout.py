@@ -2,7 +2,7 @@
 wing, and generate.py on an AR checkpoint loads the core's modules it runs and no wing but io/ (the
 checkpoint reader and the command line every entry point shares): never the variants, the fast paths,
 training, the tools or the bench. Each import check runs in a fresh interpreter, where nothing is loaded yet.
-Also: the entry points stay short (generate.py's lines and flags, train.py's lines)."""
+Also: no table cell of the README or docs/RESULTS.md runs long (the history goes to docs/LOG.md)."""
 import json
 import subprocess
 import sys
@@ -54,7 +54,7 @@ print(json.dumps(pulled))""")
 
 
 def test_generate_on_an_ar_checkpoint_loads_the_core_and_io_only(tmp_path):
-    """What it loads, and how many lines they are: 1,500 at most (7,202 before the core and wings)."""
+    """The core modules AR decoding runs, and of the wings only io/'s plumbing."""
     config = ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=True)
     save_checkpoint(tmp_path / "ar.pt", kind="ar", config=config, model=Transformer(config))
     argv = ["--ckpt", str(tmp_path / "ar.pt"), "--prompt", "Once upon a time", "--max-new-tokens", "4",
@@ -64,32 +64,14 @@ import json, sys
 import generate
 generate.main({argv!r})
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))""")
-    files = [ROOT / (m.replace(".", "/") + ".py") for m in loaded]  # a package: its folder's __init__.py
-    files = [ROOT / "generate.py"] + [f if f.exists() else f.with_suffix("") / "__init__.py" for f in files]
-    assert sum(len(f.read_text().splitlines()) for f in files) <= 1500
     assert {"tinydiff.ar", "tinydiff.model", "tinydiff.tokenizer", "tinydiff.io.checkpoint"} <= set(loaded)
     assert sorted(m for m in loaded if m not in CORE and m != "tinydiff") == sorted(PLUMBING)
     assert not {"tinydiff.speculative", "tinydiff.dflash", "tinydiff.sampler"} & set(loaded)  # only what AR runs
 
 
-def test_the_entry_points_stay_short(monkeypatch):
-    """generate.py fits in 200 lines and 20 flags (a decode-time experiment belongs to a tool: the quality tool's
-    --routing, the bench's rows), train.py in 400 lines."""
-    import generate
-    parsers = []  # the parser parse_args builds, caught where it hands it to given_flags
-    monkeypatch.setattr(generate, "given_flags", lambda parser, argv: parsers.append(parser) or set())
-    generate.parse_args(["--ckpt", "x.pt", "--prompt", "hi"])
-    flags = [a for a in parsers[0]._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) <= 20, [a.option_strings[0] for a in flags]
-    assert len((ROOT / "generate.py").read_text().splitlines()) <= 200
-    assert len((ROOT / "train.py").read_text().splitlines()) <= 400
-
-
-def test_the_front_door_stays_short():
-    """The README fits in 150 lines; no table cell of the README or docs/RESULTS.md runs past 200 characters
-    (the history goes to docs/LOG.md)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(readme.splitlines()) <= 150
+def test_no_table_cell_runs_long():
+    """No table cell of the README or docs/RESULTS.md runs past 200 characters (the history goes to
+    docs/LOG.md)."""
     for doc in ("README.md", "docs/RESULTS.md"):
         for line in (ROOT / doc).read_text(encoding="utf-8").splitlines():
             if line.startswith("|"):

@@ -27,6 +27,7 @@ Each round, with committed sequence seq (S tokens) and both caches holding seq[:
 Node indices: 0 is the root (the newest committed token, parent -1), 1..N in heap-pop order, so a
 parent always precedes its children. Near the end of the context the tree is cut to fit the cache.
 
+The file reads in that order: the tree, the round's steps, the loop (ddtree_generate), the argument checks.
 Variants in tinydiff/extras/: trees of sampled children judged by recursive rejection sampling for T > 0
 (ddtree_sampled.py), trees whose children read DSpark's Markov head (markov_head.py); --compile compiles
 its steps (fast/compiled.py). Leaves out: batches, trees from an AR draft (one forward per depth
@@ -70,11 +71,6 @@ class Tree:
         return out[::-1]
 
 
-def check_budget(budget):
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise UserError(f"the tree budget (nodes per round) must be an integer >= 1, got {budget!r}")
-
-
 def build_tree(draft_logits, budget: int) -> Tree:
     """The `budget` highest-scoring prefixes of the drafter's per-depth guesses, as a tree.
 
@@ -88,12 +84,6 @@ def build_tree(draft_logits, budget: int) -> Tree:
     top = torch.topk(draft_logprobs(draft_logits), min(budget, V), dim=-1) if D else None  # sorted, best first
     values, ids = (top.values.tolist(), top.indices.tolist()) if D else ([], [])
     return best_first(budget, D, lambda depth, token: (values[depth], ids[depth]))
-
-
-def check_tree_args(draft_logits, budget):
-    check_budget(budget)
-    if draft_logits.dim() != 2:
-        raise UserError(f"draft_logits must have shape (depths, V), got {tuple(draft_logits.shape)}")
 
 
 def draft_logprobs(logits):
@@ -200,6 +190,45 @@ def compact_cache(cache, prefix_len: int, path):
     cache.keep(rows)
 
 
+def grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B, warp_args, grow, judge,
+                    tally=None):
+    """One round's tree after seq: ONE drafter forward (none when depth is 0), the tree grown to depth
+    `depth` (budget nodes at most, fewer where the cache has no room) and compiled, ONE target forward
+    over it, the walk. The target's cache then holds the prefix and every tree row (`commit_path`
+    compacts it). tally, if given, clocks the stages. Returns (tree, path, bonus, the verify's hidden
+    states N x (1, N+1, D))."""
+    device = target.embed.weight.device
+    t0 = time.perf_counter()
+    start = target_cache.length  # the root's position, len(seq) - 1
+    if depth:
+        logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
+        tree = grow(logits, seq[-1], min(budget, target.config.context - len(seq)))  # S + N rows must fit the cache
+    else:
+        tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
+    ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+    t1 = split_time(device)  # drafting: the drafter's forward, the tree grown and compiled
+    logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=drafter.config.taps)
+    path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
+    if tally is not None:
+        tally.clock(t0, t1, time.perf_counter())  # following the tree read the target's samples back
+    return tree, path, bonus, hidden
+
+
+def commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache, hidden):
+    """The path's tokens and the bonus, cut after stop_token, appended to seq and out; the target's cache
+    compacted to the root and the committed nodes, the drafter's context extended by the same rows'
+    features. Returns (tokens, stopped)."""
+    start = len(seq) - 1
+    tokens = tree.tokens[path].tolist() + [bonus]
+    tokens, stopped = cut_at_stop(tokens, stop_token)
+    seq += tokens
+    out += tokens
+    rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
+    compact_cache(target_cache, start, rows[1:])
+    drafter.extend(draft_cache, [h[:, rows] for h in hidden])
+    return tokens, stopped
+
+
 @torch.no_grad()
 def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, budget=32, temperature=0.0,
                     top_k=None, top_p=None, generator=None, stop_token=EOT, on_round=None, grow=None, judge=None):
@@ -240,39 +269,12 @@ def ddtree_generate(target, drafter, prompt, max_new_tokens, block_size=None, bu
     return out, tally.result(out, target.embed.weight.device)
 
 
-def grow_and_verify(target, drafter, target_cache, draft_cache, seq, depth, budget, B, warp_args, grow, judge,
-                    tally=None):
-    """One round's tree after seq: ONE drafter forward (none when depth is 0), the tree grown to depth
-    `depth` (budget nodes at most, fewer where the cache has no room) and compiled, ONE target forward
-    over it, the walk. The target's cache then holds the prefix and every tree row (`commit_path`
-    compacts it). tally, if given, clocks the stages. Returns (tree, path, bonus, the verify's hidden
-    states N x (1, N+1, D))."""
-    device, t0 = target.embed.weight.device, time.perf_counter()
-    start = target_cache.length  # the root's position, len(seq) - 1
-    if depth:
-        logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:depth]  # (D, V)
-        tree = grow(logits, seq[-1], min(budget, target.config.context - len(seq)))  # S + N rows must fit the cache
-    else:
-        tree = build_tree(torch.empty(0, 1), 1)  # the root alone: the target's one sample
-    ids, pos, mask = compile_tree(tree, start, seq[-1], device)
-    t1 = split_time(device)  # drafting: the drafter's forward, the tree grown and compiled
-    logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=drafter.config.taps)
-    path, bonus = judge(tree, lambda i: next_token_probs(logits[0, i], *warp_args))
-    if tally is not None:
-        tally.clock(t0, t1, time.perf_counter())  # following the tree read the target's samples back
-    return tree, path, bonus, hidden
+def check_budget(budget):
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise UserError(f"the tree budget (nodes per round) must be an integer >= 1, got {budget!r}")
 
 
-def commit_path(seq, out, tree, path, bonus, stop_token, target_cache, drafter, draft_cache, hidden):
-    """The path's tokens and the bonus, cut after stop_token, appended to seq and out; the target's cache
-    compacted to the root and the committed nodes, the drafter's context extended by the same rows'
-    features. Returns (tokens, stopped)."""
-    start = len(seq) - 1
-    tokens = tree.tokens[path].tolist() + [bonus]
-    tokens, stopped = cut_at_stop(tokens, stop_token)
-    seq += tokens
-    out += tokens
-    rows = [0, *path][:len(tokens)]  # the tree rows now committed (the newest token is read next round)
-    compact_cache(target_cache, start, rows[1:])
-    drafter.extend(draft_cache, [h[:, rows] for h in hidden])
-    return tokens, stopped
+def check_tree_args(draft_logits, budget):
+    check_budget(budget)
+    if draft_logits.dim() != 2:
+        raise UserError(f"draft_logits must have shape (depths, V), got {tuple(draft_logits.shape)}")

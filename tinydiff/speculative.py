@@ -19,6 +19,8 @@ draft never reads its own last draft x_K, so after a full acceptance its cache i
 (it catches up by reading [x_K, bonus] at the start of the next round); a round without drafts
 (only at the very end) leaves the draft cache alone.
 
+The file reads in that order: the round's steps (draft_round, target_probs, verify, commit), the loop
+(speculative_generate), then what the loops report (Speculated, Tally) and Leviathan's predictions.
 Leaves out: batches, tree drafts (see ddtree.py), adapting K on the fly, a draft on another device.
 """
 import time
@@ -30,98 +32,6 @@ from tinydiff.ar import Decoded, check_prompt, elapsed, split_time
 from tinydiff.checks import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, residual, sample
 from tinydiff.tokenizer import EOT
-
-
-@dataclass(frozen=True, kw_only=True)
-class Speculated(Decoded):
-    accepted: list  # accepted[n]: rounds that accepted n drafts, n = 0..k (forwards = rounds + a prefill)
-    proposed: int  # drafts (tree nodes) proposed over all rounds
-    rejected: int | None  # rounds that rejected a draft (at most one each); None for trees
-    draft_forwards: int
-    slot_judged: list  # slot_judged[j]: rounds that offered slot j+1 (a draft at depth j+1) with slots 1..j kept
-    slot_kept: list  # slot_kept[j]: those of them that kept it
-    draft_seconds: float | None = None  # the chain loops (speculative, DFlash, DDTree): time drafting, and verifying
-    verify_seconds: float | None = None
-    graph_seconds: float | None = None  # the fused loops (a round one compiled graph): its calls to read-back
-    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
-
-    @property
-    def rounds(self) -> int:
-        return sum(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """New tokens per round (per verifying forward), the bonus/corrected token included: 1..k+1."""
-        return self.new_tokens / self.rounds
-
-    @property
-    def alpha(self) -> float | None:
-        """Leviathan's acceptance rate: the share of the drafts the target judged that it kept. Drafts
-        after a rejection are never judged; counting them would make alpha fall with k for the same
-        draft. None for trees (no single rate) and where nothing was judged."""
-        kept = sum(n * count for n, count in enumerate(self.accepted))
-        judged = kept + (self.rejected or 0)
-        return kept / judged if self.rejected is not None and judged else None
-
-    @property
-    def acceptance_by_slot(self) -> list:
-        """Slot k's acceptance given slots < k were accepted, k = 1..K (DSpark's per-position curve): for a
-        tree, the chance that the accepted path goes one deeper. None where no round judged the slot."""
-        return acceptance_by_slot(self.slot_kept, self.slot_judged)
-
-    @property
-    def nodes_per_round(self) -> float | None:
-        """A tree's proposed nodes per round (None for chains)."""
-        return self.proposed / self.rounds if self.rejected is None else None
-
-def acceptance_by_slot(kept: list, judged: list) -> list:
-    """kept / judged per slot, None where no round judged it (Speculated's, and the bench's sums)."""
-    return [k / n if n else None for k, n in zip(kept, judged)]
-
-@dataclass
-class Tally:
-    """What every draft/verify loop counts, one `add` per round. A loop that verifies trees passes
-    chain=False: a tree has no single acceptance rate. `start` is when the loop's clock started."""
-    k: int  # the most drafts a round can accept
-    chain: bool = True
-    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
-    proposed: int = 0
-    rejected: int = 0
-    draft_forwards: int = 0
-    hist: list = field(init=False)
-    judged: list = field(init=False)  # per slot, see Speculated.slot_judged / slot_kept
-    kept: list = field(init=False)
-    start: float = field(init=False)
-    draft_seconds: float | None = None  # summed by `clock` where a loop times its rounds' stages
-    verify_seconds: float | None = None
-
-    def __post_init__(self):
-        self.hist, self.start = [0] * (self.k + 1), time.perf_counter()
-        self.judged, self.kept = [0] * self.k, [0] * self.k
-
-    def add(self, accepted: int, proposed: int, draft_forwards: int, depth: int | None = None):
-        """One round: `accepted` drafts kept of `proposed` drafts (tree nodes), the drafts `depth` deep
-        (a chain's depth is its length, the default; a tree passes its own)."""
-        depth = proposed if depth is None else depth
-        self.hist[accepted] += 1
-        self.proposed += proposed
-        self.rejected += self.chain and accepted < proposed
-        self.draft_forwards += draft_forwards
-        for j in range(min(accepted + 1, depth)):  # slot j+1 was judged: slots 1..j were kept
-            self.judged[j] += 1
-            self.kept[j] += j < accepted
-
-    def clock(self, round_start: float, drafted: float, verified: float):
-        """One round's stages, from split_time()s: drafting from round_start to drafted, verifying (the
-        target's forward and the acceptance rule) from drafted to verified. The rest is the loop's own."""
-        self.draft_seconds = (self.draft_seconds or 0.0) + drafted - round_start
-        self.verify_seconds = (self.verify_seconds or 0.0) + verified - drafted
-
-    def result(self, out, device, kind=Speculated, **more) -> Speculated:
-        return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
-                    accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
-                    draft_forwards=self.draft_forwards, slot_judged=list(self.judged), slot_kept=list(self.kept),
-                    draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, **more)
 
 
 def draft_round(draft, cache, seq, n_drafts, warp_args, generator=None):
@@ -168,17 +78,23 @@ def verify(p, q, drafts, generator=None):
     return n, int(sample(last, generator))
 
 
-def check_models(target, draft, need: int):
-    """Draft and target must speak the same vocabulary and the draft must fit `need` tokens."""
-    if target.config.vocab_size != draft.config.vocab_size:
-        raise UserError(f"the draft's vocabulary ({draft.config.vocab_size} ids) differs from the target's "
-                        f"({target.config.vocab_size}); train the draft with the target's tokenizer")
-    if draft.config.context < need:
-        raise UserError(f"the draft's context ({draft.config.context}) is shorter than the {need} tokens "
-                        "this run needs (prompt + new tokens); lower max_new_tokens or use a longer-context draft")
-    if draft.embed.weight.device != target.embed.weight.device:
-        raise UserError(f"the draft is on {draft.embed.weight.device} but the target on "
-                        f"{target.embed.weight.device}; move both to one device")
+def commit(seq: list, out: list, tokens: list, stop_token, target_cache, draft_cache) -> tuple[list, bool]:
+    """A round's tokens (kept drafts, then the target's own) onto seq and out, cut after the stop token;
+    both caches rolled back: rejected drafts dropped, the newest token left for the next round to read.
+    Returns (the tokens committed, whether the stop token came)."""
+    tokens, stopped = cut_at_stop(tokens, stop_token)
+    seq += tokens
+    out += tokens
+    target_cache.crop(len(seq) - 1)
+    draft_cache.crop(min(draft_cache.length, len(seq) - 1))
+    return tokens, stopped
+
+
+def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
+    """A round's committed tokens up to and including the first stop token; and whether it came."""
+    if stop_token in tokens:
+        return tokens[:tokens.index(stop_token) + 1], True
+    return tokens, False
 
 
 @torch.no_grad()
@@ -195,7 +111,7 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     propose: the draft step, draft_round's arguments and returns (frequent_vocab.subset_draft_round
     for a draft that scores a subset of the vocabulary).
 
-    Returns (new ids, tally.Speculated): one target forward per round (the prompt's prefill rides
+    Returns (new ids, Speculated): one target forward per round (the prompt's prefill rides
     along with the first), one draft forward per draft, and the time spent drafting and verifying.
     """
     if not isinstance(k, int) or k < 1:
@@ -226,23 +142,112 @@ def speculative_generate(target, draft, prompt, max_new_tokens, k, temperature=1
     return out, tally.result(out, device)
 
 
-def commit(seq: list, out: list, tokens: list, stop_token, target_cache, draft_cache) -> tuple[list, bool]:
-    """A round's tokens (kept drafts, then the target's own) onto seq and out, cut after the stop token;
-    both caches rolled back: rejected drafts dropped, the newest token left for the next round to read.
-    Returns (the tokens committed, whether the stop token came)."""
-    tokens, stopped = cut_at_stop(tokens, stop_token)
-    seq += tokens
-    out += tokens
-    target_cache.crop(len(seq) - 1)
-    draft_cache.crop(min(draft_cache.length, len(seq) - 1))
-    return tokens, stopped
+def check_models(target, draft, need: int):
+    """Draft and target must speak the same vocabulary and the draft must fit `need` tokens."""
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise UserError(f"the draft's vocabulary ({draft.config.vocab_size} ids) differs from the target's "
+                        f"({target.config.vocab_size}); train the draft with the target's tokenizer")
+    if draft.config.context < need:
+        raise UserError(f"the draft's context ({draft.config.context}) is shorter than the {need} tokens "
+                        "this run needs (prompt + new tokens); lower max_new_tokens or use a longer-context draft")
+    if draft.embed.weight.device != target.embed.weight.device:
+        raise UserError(f"the draft is on {draft.embed.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
 
 
-def cut_at_stop(tokens: list[int], stop_token) -> tuple[list[int], bool]:
-    """A round's committed tokens up to and including the first stop token; and whether it came."""
-    if stop_token in tokens:
-        return tokens[:tokens.index(stop_token) + 1], True
-    return tokens, False
+@dataclass(frozen=True, kw_only=True)
+class Speculated(Decoded):
+    accepted: list  # accepted[n]: rounds that accepted n drafts, n = 0..k (forwards = rounds + a prefill)
+    proposed: int  # drafts (tree nodes) proposed over all rounds
+    rejected: int | None  # rounds that rejected a draft (at most one each); None for trees
+    draft_forwards: int
+    slot_judged: list  # slot_judged[j]: rounds that offered slot j+1 (a draft at depth j+1) with slots 1..j kept
+    slot_kept: list  # slot_kept[j]: those of them that kept it
+    draft_seconds: float | None = None  # the chain loops (speculative, DFlash, DDTree): time drafting, and verifying
+    verify_seconds: float | None = None
+    graph_seconds: float | None = None  # the fused loops (a round one compiled graph): its calls to read-back
+    DERIVED = Decoded.DERIVED + ("rounds", "tau", "alpha", "nodes_per_round", "acceptance_by_slot")
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """New tokens per round (per verifying forward), the bonus/corrected token included: 1..k+1."""
+        return self.new_tokens / self.rounds
+
+    @property
+    def alpha(self) -> float | None:
+        """Leviathan's acceptance rate: the share of the drafts the target judged that it kept. Drafts
+        after a rejection are never judged; counting them would make alpha fall with k for the same
+        draft. None for trees (no single rate) and where nothing was judged."""
+        kept = sum(n * count for n, count in enumerate(self.accepted))
+        judged = kept + (self.rejected or 0)
+        return kept / judged if self.rejected is not None and judged else None
+
+    @property
+    def acceptance_by_slot(self) -> list:
+        """Slot k's acceptance given slots < k were accepted, k = 1..K (DSpark's per-position curve): for a
+        tree, the chance that the accepted path goes one deeper. None where no round judged the slot."""
+        return acceptance_by_slot(self.slot_kept, self.slot_judged)
+
+    @property
+    def nodes_per_round(self) -> float | None:
+        """A tree's proposed nodes per round (None for chains)."""
+        return self.proposed / self.rounds if self.rejected is None else None
+
+
+def acceptance_by_slot(kept: list, judged: list) -> list:
+    """kept / judged per slot, None where no round judged it (Speculated's, and the bench's sums)."""
+    return [k / n if n else None for k, n in zip(kept, judged)]
+
+
+@dataclass
+class Tally:
+    """What every draft/verify loop counts, one `add` per round. A loop that verifies trees passes
+    chain=False: a tree has no single acceptance rate. `start` is when the loop's clock started."""
+    k: int  # the most drafts a round can accept
+    chain: bool = True
+    prefill: int = 0  # 1 when a separate target forward read the prompt before the first round
+    proposed: int = 0
+    rejected: int = 0
+    draft_forwards: int = 0
+    hist: list = field(init=False)
+    judged: list = field(init=False)  # per slot, see Speculated.slot_judged / slot_kept
+    kept: list = field(init=False)
+    start: float = field(init=False)
+    draft_seconds: float | None = None  # summed by `clock` where a loop times its rounds' stages
+    verify_seconds: float | None = None
+
+    def __post_init__(self):
+        self.hist = [0] * (self.k + 1)
+        self.judged, self.kept = [0] * self.k, [0] * self.k
+        self.start = time.perf_counter()
+
+    def add(self, accepted: int, proposed: int, draft_forwards: int, depth: int | None = None):
+        """One round: `accepted` drafts kept of `proposed` drafts (tree nodes), the drafts `depth` deep
+        (a chain's depth is its length, the default; a tree passes its own)."""
+        depth = proposed if depth is None else depth
+        self.hist[accepted] += 1
+        self.proposed += proposed
+        self.rejected += self.chain and accepted < proposed
+        self.draft_forwards += draft_forwards
+        for j in range(min(accepted + 1, depth)):  # slot j+1 was judged: slots 1..j were kept
+            self.judged[j] += 1
+            self.kept[j] += j < accepted
+
+    def clock(self, round_start: float, drafted: float, verified: float):
+        """One round's stages, from split_time()s: drafting from round_start to drafted, verifying (the
+        target's forward and the acceptance rule) from drafted to verified. The rest is the loop's own."""
+        self.draft_seconds = (self.draft_seconds or 0.0) + drafted - round_start
+        self.verify_seconds = (self.verify_seconds or 0.0) + verified - drafted
+
+    def result(self, out, device, kind=Speculated, **more) -> Speculated:
+        return kind(new_tokens=len(out), forwards=sum(self.hist) + self.prefill, seconds=elapsed(self.start, device),
+                    accepted=list(self.hist), proposed=self.proposed, rejected=self.rejected if self.chain else None,
+                    draft_forwards=self.draft_forwards, slot_judged=list(self.judged), slot_kept=list(self.kept),
+                    draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds, **more)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -45,6 +45,9 @@ Caches: the target's as in speculative.py; the draft's holds a prefix of seq[:-1
 and after a hit the hit branch's own K/V rows are copied in (`adopt`), so the next catch-up is one
 token, as after drafting just in time.
 
+The file reads in that order: the fan-out's allocation, the run-ahead's steps (branches_for, fork, adopt,
+run_ahead, look_up), how it overlaps verification (Overlap), the loop (ssd_generate), then what it reports
+(SsdDecoded) and its argument checks.
 Leaves out: Saguaro sampling (down-weighting cached tokens in q to raise hits), a fast backup
 speculator for misses, batches of prompts, running the draft on another device.
 """
@@ -60,20 +63,6 @@ from tinydiff.checks import UserError
 from tinydiff.sampling import check_warp_args, next_token_probs, sample
 from tinydiff.speculative import Speculated, Tally, check_models, cut_at_stop, draft_round, target_probs, verify
 from tinydiff.tokenizer import EOT, MASK
-
-
-def check_fan_out(fan_out, k: int) -> list[int]:
-    """An int F (F bonus tokens for every accepted count) or k+1 ints F_0..F_k -> the list."""
-    if isinstance(fan_out, int) and not isinstance(fan_out, bool):
-        if fan_out < 1:
-            raise UserError(f"fan-out must be an integer >= 1 (bonus tokens pre-drafted per accepted count), "
-                            f"got {fan_out}")
-        return [fan_out] * (k + 1)
-    if (not isinstance(fan_out, (list, tuple)) or len(fan_out) != k + 1
-            or not all(isinstance(f, int) and f >= 0 for f in fan_out) or sum(fan_out) < 1):
-        raise UserError(f"fan-out must be an integer >= 1 or a list of k+1 = {k + 1} integers >= 0 "
-                        f"(one per accepted count 0..k, not all 0), got {fan_out!r}")
-    return list(fan_out)
 
 
 def geometric_fan_out(budget: int, k: int, alpha: float, r: float = 1.0, cap: int | None = None) -> list[int]:
@@ -185,6 +174,20 @@ def run_ahead(draft, cache, seq, drafts, fan_out, next_drafts, warp_args, genera
     return entries, 1 + steps
 
 
+def look_up(entries, n: int, token: int, m: int, draft_cache, seq, hits, lookups):
+    """The next round's speculation for the outcome (n accepted, then `token`), or None; a hit's own
+    K/V rows join the draft's cache (no recomputing them next round). Returns (speculation, cached)."""
+    if m < 1:
+        return None, None
+    found = entries.get((n, token))
+    cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
+    lookups[n] += 1
+    hits[n] += cached
+    if cached:
+        adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
+    return (found[:2] if cached else None), cached
+
+
 class Overlap:
     """Runs a job inline (threaded=False) or in one worker thread, on a side CUDA stream on a GPU."""
 
@@ -222,6 +225,84 @@ class Overlap:
             self.pool.shutdown()
 
 
+@torch.no_grad()
+def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=0.0, top_k=None, top_p=None,
+                 generator=None, stop_token=EOT, threaded=False, on_round=None, ahead_generator=None):
+    """Speculative decoding whose draft pre-drafts the next round during verification (see above).
+
+    Arguments as speculative_generate, plus fan_out (int or k+1 ints), threaded, and ahead_generator (the
+    run-ahead's random stream). on_round(info) after every round: drafts, q, cached (this round's drafts
+    came from the cache: True, after a miss: False, no lookup: None), accepted, tokens, seq, keys (the
+    (k, bonus) the run-ahead stored), jit_forwards, ahead_forwards, times ({"jit", "verify", "ahead"}:
+    (start, end) seconds into the run or None), target_cache, draft_cache.
+
+    Returns (new ids, SsdDecoded).
+    """
+    warp_args = (temperature, top_k, top_p)
+    fan_out, n_new, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args,
+                                                     generator, ahead_generator)
+    device = target.embed.weight.device
+    target_cache, draft_cache = target.new_cache(1), draft.new_cache(1)
+    branch_caches = {}  # the run-ahead's batched caches, one per branch count, reused
+    seq, out = list(prompt), []
+    speculation = None  # this round's drafts and q, when the last run-ahead prepared them
+    cached = None
+    overlap = Overlap(threaded, device)
+    tally = Tally(k)
+    hits, lookups = [0] * (k + 1), [0] * (k + 1)  # per accepted count
+    jit_total = ahead_total = branches = 0
+    waiting = 0.0
+    try:
+        while len(out) < n_new:
+            n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
+            t0 = time.perf_counter()  # draft: from the speculation cache, else just in time
+            if speculation:
+                drafts, q = speculation
+                jit = 0
+            else:
+                drafts, q = draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator)
+                jit = n_drafts
+            t1 = time.perf_counter()
+            # After "i accepted, then a bonus", n_new - len(out) - i - 1 remain: the next round drafts one less.
+            next_drafts = [min(k, n_new - len(out) - i - 2) if i <= n_drafts else 0 for i in range(k + 1)]
+            ahead = None
+            if max(next_drafts) >= 1:  # run ahead while ...
+                ahead = overlap.start(partial(run_ahead, draft, draft_cache, list(seq), drafts, fan_out, next_drafts,
+                                              warp_args, ahead_generator, stop_token, branch_caches))
+            t2 = time.perf_counter()
+            n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
+            t3 = time.perf_counter()  # ... the target verifies
+            entries, ahead_forwards, ahead_times = {}, 0, None
+            if ahead:
+                (entries, ahead_forwards), ahead_times = ahead()
+                waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
+            tokens, stopped = cut_at_stop(drafts[:n].tolist() + [token], stop_token)  # commit
+            seq += tokens
+            out += tokens
+            target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
+            draft_cache.crop(min(draft_cache.length, len(seq) - 1))
+            tally.add(n, n_drafts, jit + ahead_forwards)
+            jit_total += jit
+            ahead_total += ahead_forwards
+            branches += len(entries)
+            if on_round is not None:
+                start = tally.start
+                spans = {"jit": (t0, t1) if jit else None, "verify": (t2, t3), "ahead": ahead_times}
+                on_round({"drafts": drafts.tolist(), "q": q, "cached": cached, "accepted": n, "tokens": tokens,
+                          "seq": list(seq), "keys": list(entries), "jit_forwards": jit,
+                          "ahead_forwards": ahead_forwards, "target_cache": target_cache, "draft_cache": draft_cache,
+                          "times": {key: span and (span[0] - start, span[1] - start) for key, span in spans.items()}})
+            if stopped:
+                break
+            speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, hits,
+                                          lookups)
+    finally:
+        overlap.close()
+    return out, tally.result(out, device, SsdDecoded, hits=hits, lookups=lookups, jit_forwards=jit_total,
+                             ahead_forwards=ahead_total, branches=branches, seconds_waiting=waiting,
+                             threaded=threaded)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SsdDecoded(Speculated):
     """draft_forwards = jit_forwards + ahead_forwards (a batched run-ahead forward counts once)."""
@@ -253,81 +334,15 @@ def check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args,
     return fan_out, n_new, ahead_generator
 
 
-def look_up(entries, n: int, token: int, m: int, draft_cache, seq, hits, lookups):
-    """The next round's speculation for the outcome (n accepted, then `token`), or None; a hit's own
-    K/V rows join the draft's cache (no recomputing them next round). Returns (speculation, cached)."""
-    if m < 1:
-        return None, None
-    found = entries.get((n, token))
-    cached = found is not None and len(found[0]) == m  # shorter only where the context ran out
-    lookups[n] += 1
-    hits[n] += cached
-    if cached:
-        adopt(draft_cache, len(seq) - 1, len(found[0]), *found[2])
-    return (found[:2] if cached else None), cached
-
-
-@torch.no_grad()
-def ssd_generate(target, draft, prompt, max_new_tokens, k, fan_out, temperature=0.0, top_k=None, top_p=None,
-                 generator=None, stop_token=EOT, threaded=False, on_round=None, ahead_generator=None):
-    """Speculative decoding whose draft pre-drafts the next round during verification (see above).
-
-    Arguments as speculative_generate, plus fan_out (int or k+1 ints), threaded, and ahead_generator (the
-    run-ahead's random stream). on_round(info) after every round: drafts, q, cached (this round's drafts
-    came from the cache: True, after a miss: False, no lookup: None), accepted, tokens, seq, keys (the
-    (k, bonus) the run-ahead stored), jit_forwards, ahead_forwards, times ({"jit", "verify", "ahead"}:
-    (start, end) seconds into the run or None), target_cache, draft_cache.
-
-    Returns (new ids, SsdDecoded).
-    """
-    warp_args = (temperature, top_k, top_p)
-    fan_out, n_new, ahead_generator = check_ssd_args(target, draft, prompt, max_new_tokens, k, fan_out, warp_args,
-                                                     generator, ahead_generator)
-    device = target.embed.weight.device
-    target_cache, draft_cache, branch_caches = target.new_cache(1), draft.new_cache(1), {}
-    seq, out, speculation, cached = list(prompt), [], None, None
-    overlap = Overlap(threaded, device)
-    tally, hits, lookups = Tally(k), [0] * (k + 1), [0] * (k + 1)
-    jit_total = ahead_total = branches = 0
-    waiting = 0.0
-    try:
-        while len(out) < n_new:
-            n_drafts = min(k, n_new - len(out) - 1)  # a full acceptance plus the bonus lands exactly on n_new
-            t0 = time.perf_counter()  # draft: from the speculation cache, else just in time
-            (drafts, q), jit = (speculation, 0) if speculation else \
-                (draft_round(draft, draft_cache, seq, n_drafts, warp_args, generator), n_drafts)
-            t1 = time.perf_counter()
-            # After "i accepted, then a bonus", n_new - len(out) - i - 1 remain: the next round drafts one less.
-            next_drafts = [min(k, n_new - len(out) - i - 2) if i <= n_drafts else 0 for i in range(k + 1)]
-            ahead = overlap.start(partial(run_ahead, draft, draft_cache, list(seq), drafts, fan_out, next_drafts,
-                                          warp_args, ahead_generator, stop_token, branch_caches)) \
-                if max(next_drafts) >= 1 else None  # run ahead while ...
-            t2 = time.perf_counter()
-            n, token = verify(target_probs(target, target_cache, seq, drafts, warp_args), q, drafts, generator)
-            t3 = time.perf_counter()  # ... the target verifies
-            (entries, ahead_forwards), ahead_times = ahead() if ahead else (({}, 0), None)
-            if ahead:
-                waiting += time.perf_counter() - t3 if threaded else ahead_times[1] - ahead_times[0]
-            tokens, stopped = cut_at_stop(drafts[:n].tolist() + [token], stop_token)  # commit
-            seq += tokens
-            out += tokens
-            target_cache.crop(len(seq) - 1)  # drop rejected drafts; the newest token is read next round
-            draft_cache.crop(min(draft_cache.length, len(seq) - 1))
-            tally.add(n, n_drafts, jit + ahead_forwards)
-            jit_total, ahead_total, branches = jit_total + jit, ahead_total + ahead_forwards, branches + len(entries)
-            if on_round is not None:
-                start = tally.start
-                spans = {"jit": (t0, t1) if jit else None, "verify": (t2, t3), "ahead": ahead_times}
-                on_round({"drafts": drafts.tolist(), "q": q, "cached": cached, "accepted": n, "tokens": tokens,
-                          "seq": list(seq), "keys": list(entries), "jit_forwards": jit,
-                          "ahead_forwards": ahead_forwards, "target_cache": target_cache, "draft_cache": draft_cache,
-                          "times": {key: span and (span[0] - start, span[1] - start) for key, span in spans.items()}})
-            if stopped:
-                break
-            speculation, cached = look_up(entries, n, token, min(k, n_new - len(out) - 1), draft_cache, seq, hits,
-                                          lookups)
-    finally:
-        overlap.close()
-    return out, tally.result(out, device, SsdDecoded, hits=hits, lookups=lookups, jit_forwards=jit_total,
-                             ahead_forwards=ahead_total, branches=branches, seconds_waiting=waiting,
-                             threaded=threaded)
+def check_fan_out(fan_out, k: int) -> list[int]:
+    """An int F (F bonus tokens for every accepted count) or k+1 ints F_0..F_k -> the list."""
+    if isinstance(fan_out, int) and not isinstance(fan_out, bool):
+        if fan_out < 1:
+            raise UserError(f"fan-out must be an integer >= 1 (bonus tokens pre-drafted per accepted count), "
+                            f"got {fan_out}")
+        return [fan_out] * (k + 1)
+    if (not isinstance(fan_out, (list, tuple)) or len(fan_out) != k + 1
+            or not all(isinstance(f, int) and f >= 0 for f in fan_out) or sum(fan_out) < 1):
+        raise UserError(f"fan-out must be an integer >= 1 or a list of k+1 = {k + 1} integers >= 0 "
+                        f"(one per accepted count 0..k, not all 0), got {fan_out!r}")
+    return list(fan_out)

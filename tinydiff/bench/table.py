@@ -286,8 +286,10 @@ def main(argv=None):
     if args.report:
         return write_report(args, methods)
     tokenizer = Tokenizer()
-    texts = heldout_openings(args.data, args.prompts, args.seed) if args.openings else \
-        [tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
+    if args.openings:
+        texts = heldout_openings(args.data, args.prompts, args.seed)
+    else:
+        texts = [tokenizer.encode(text) for text in PROMPTS[:args.prompts]]
     prompts = [[EOT] + text for text in texts]
     models = load_models(args)
     too_big = [m for m in methods if (block_of(m) or 0) > models["drafter"].config.block_size]

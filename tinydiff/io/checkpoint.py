@@ -79,8 +79,9 @@ def read_checkpoint(path: Path, map_location) -> dict:
         check_contents(ckpt, path)
         return pad_vocabulary(ckpt)
     if path.is_dir():
-        hint = f"pass {path / 'ckpt.pt'}" if (path / "ckpt.pt").is_file() else \
-            "pass the ckpt.pt inside a run folder, or a folder written by `python -m tinydiff.tools.export`"
+        hint = "pass the ckpt.pt inside a run folder, or a folder written by `python -m tinydiff.tools.export`"
+        if (path / "ckpt.pt").is_file():
+            hint = f"pass {path / 'ckpt.pt'}"
         raise UserError(f"checkpoint {path} is a folder; {hint}")
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; pass the ckpt.pt written by train.py (e.g. out/ar-tiny/ckpt.pt)")

@@ -28,8 +28,9 @@ class DefaultsHelp(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or not action.option_strings or action.nargs == 0 or \
-                action.default in (None, argparse.SUPPRESS):
+        says_default = "default" in text
+        positional_or_switch = not action.option_strings or action.nargs == 0
+        if says_default or positional_or_switch or action.default in (None, argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
