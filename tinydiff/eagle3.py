@@ -140,7 +140,8 @@ class EagleHead(nn.Module):
         """Append committed rows: tokens (1, T) are the tokens after the positions whose target hidden
         states (3 x (1, T, D)) are given. Returns the last row's logits (V,) and hidden state (D,):
         the first draft of the next round and the feature that goes with it."""
-        n, T = cache.length, tokens.shape[1]
+        n = cache.length
+        T = tokens.shape[1]
         pos = torch.arange(n + 1, n + 1 + T, device=tokens.device)  # row t reads token t+1
         mask = torch.ones(T, n + T, dtype=torch.bool, device=tokens.device).tril(n)  # causal after the cache
         logits, h, k, v = self(tokens, self.fused(hidden), pos, *committed_kv(cache), mask)
