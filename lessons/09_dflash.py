@@ -1,8 +1,8 @@
 """Lesson 09: DFlash. A drafter that fills a whole block of MASKs in one pass, reading the target's mind.
 
 Run: python lessons/09_dflash.py [--quick] [--target CKPT --drafter CKPT]
-Read next: tinydiff/dflash.py (this lesson's code: the drafter, the loop), tinydiff/train/drafter_losses.py
-(its training loss), tests/test_dflash_decode.py (the proof that it is lossless) and tests/test_dflash.py
+Read next: tinydiff/dflash.py (this lesson's code: the drafter, its training loss, the loop),
+tests/test_dflash_decode.py (the proof that it is lossless) and tests/test_dflash.py
 (that it trains on what it sees); then lessons/10_ddtree.py.
 
 Lesson 07's draft guesses K tokens with K forwards of a small AR model, one after another. DFlash
@@ -24,12 +24,13 @@ from tinydiff.dflash import (
     block_input,
     dflash_generate,
     draft_block,
+    dflash_loss,
     feature_layers,
     match,
+    training_mask,
 )
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import EOT, Tokenizer
-from tinydiff.train.drafter_losses import dflash_loss, training_mask
 
 args = common.setup(__doc__, "a tiny random target, fewer tokens", needs={"drafter": "target"},
                     target=(["out/ar-tiny/ckpt.pt", "out/tour-ar/ckpt.pt"], "an AR target"),

@@ -1,8 +1,8 @@
 """Lesson 11: EAGLE-3. A one-layer draft head, and why it must practise on its own guesses.
 
 Run: python lessons/11_eagle3.py [--quick]
-Read next: tinydiff/eagle3.py (this lesson's code: the head, chain and tree decoding),
-tinydiff/train/drafter_losses.py (the training-time test), tests/test_eagle3.py (the proof that training
+Read next: tinydiff/eagle3.py (this lesson's code: the head, the training-time test, chain and tree
+decoding), tests/test_eagle3.py (the proof that training
 sees what drafting sees) and tests/test_eagle3_decode.py (that the output is the target's); then
 lessons/12_dmoe.py.
 
@@ -31,9 +31,11 @@ from tinydiff.eagle3 import (
     EagleHead,
     eagle_generate,
     eagle_layers,
+    eagle_loss,
+    unroll_mask,
+    unrolled_logits,
 )
 from tinydiff.model import ModelConfig, Transformer
-from tinydiff.train.drafter_losses import eagle_loss, unroll_mask, unrolled_logits
 
 args = common.setup(__doc__, "fewer training steps (about 20 s on one CPU core)")
 generator = torch.Generator().manual_seed(args.seed)

@@ -21,20 +21,24 @@ from stats_helpers import (
 )
 
 from tinydiff.checks import UserError
+from tinydiff import dflash
 from tinydiff.dflash import (
     DFlashConfig,
     DFlashDrafter,
     block_input,
+    block_loss,
     default_decay,
     dflash_generate,
+    dflash_loss,
     draft_block,
     feature_layers,
+    packed_logits,
+    sample_anchors,
+    training_mask,
 )
 from tinydiff.io.checkpoint import drafter_from
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
-from tinydiff.train import drafter_losses
-from tinydiff.train.drafter_losses import block_loss, dflash_loss, packed_logits, sample_anchors, training_mask
 
 
 def test_feature_layer_rule():
@@ -204,7 +208,7 @@ def test_the_loss_read_a_window_at_a_time_has_the_whole_batchs_value_stats_and_g
     (packed_logits and block_loss, no checkpoint), to float64 rounding; its stats the same means."""
     target, drafter = models64
     windows = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(drafter_losses, "LOSS_ROWS", 1)
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 1)
     loss, stats = dflash_loss(drafter, windows, torch.Generator().manual_seed(2), temperature)
     loss.backward()
     grads = {name: w.grad for name, w in drafter.named_parameters()}

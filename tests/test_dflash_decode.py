@@ -63,7 +63,7 @@ def test_greedy_match_is_the_position_by_position_rule():
             if K and trial % 4:  # break the chain at a random slot, or leave every draft right
                 j = int(torch.randint(0, K, (1,), generator=g))
                 drafts[j] = (drafts[j] + 1 + int(torch.randint(0, 5, (1,), generator=g))) % 6
-            assert match(p, drafts, None, None, greedy=True) == walk(p, drafts)
+            assert match(p, drafts, None, greedy=True) == walk(p, drafts)
 
 
 

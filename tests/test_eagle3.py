@@ -14,12 +14,11 @@ from stats_helpers import (
     one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
 )
 
-from tinydiff.eagle3 import draft_chain, draft_tree, eagle_layers, log_probs
+from tinydiff import dflash
+from tinydiff.eagle3 import draft_chain, draft_tree, eagle_layers, eagle_loss, log_probs, unroll_mask, unrolled_logits
 from tinydiff.io.checkpoint import head_from, load_checkpoint, save_checkpoint
 from tinydiff.sampling import next_token_probs, soft_ce
 from tinydiff.tokenizer import EOT, MASK
-from tinydiff.train import drafter_losses
-from tinydiff.train.drafter_losses import eagle_loss, unroll_mask, unrolled_logits
 
 GREEDY = (0, None, None)  # warp args
 
@@ -111,7 +110,7 @@ def test_the_loss_read_a_chunk_of_rows_at_a_time_has_the_whole_batchs_value_stat
     (2 x 3 steps x 9 rows): the last chunk is short."""
     target, head = models64
     windows = torch.randint(0, 50257, (5, 10), generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(drafter_losses, "LOSS_ROWS", 2 * 3 * 9)
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 2 * 3 * 9)
     loss, stats = eagle_loss(head, windows, steps=3)
     loss.backward()
     grads = {name: w.grad for name, w in head.named_parameters()}
@@ -124,7 +123,7 @@ def test_the_loss_read_a_chunk_of_rows_at_a_time_has_the_whole_batchs_value_stat
     for name, weight in head.named_parameters():
         assert_same(grads[name], weight.grad)
     head.zero_grad(set_to_none=True)
-    monkeypatch.setattr(drafter_losses, "LOSS_ROWS", 10 ** 9)
+    monkeypatch.setattr(dflash, "LOSS_ROWS", 10 ** 9)
     with torch.no_grad():
         one = eagle_loss(head, windows, steps=3)[1]
     assert all(torch.equal(one[k], stats[k]) for k in ("acc", "acc_last", "tau_proxy"))

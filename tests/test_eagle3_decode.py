@@ -25,11 +25,10 @@ from table_models import TableTarget, TreeTableTarget
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.eagle3 import EagleConfig, eagle_generate
+from tinydiff.eagle3 import EagleConfig, eagle_generate, eagle_loss
 from tinydiff.io.checkpoint import head_from
 from tinydiff.model import ModelConfig
 from tinydiff.tokenizer import EOT, MASK
-from tinydiff.train.drafter_losses import eagle_loss
 
 
 def run(target, head, prompt, n, oracle=None, on_round=None, **kwargs):

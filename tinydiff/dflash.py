@@ -1,13 +1,13 @@
-"""DFlash: a block-diffusion drafter that drafts a whole block in one forward, and its loop.
+"""DFlash: a block-diffusion drafter that drafts a whole block in one forward, its loss, and its loop.
 
 Paper: "DFlash: Block Diffusion for Flash Speculative Decoding" (2026); reference code z-lab/dflash.
 The drafter is a few Transformer layers of its own around the target's *frozen* embedding and tied
 head (read through `.detach()`). It fills a block `[last committed token, MASK x (B-1)]` in one
 bidirectional forward, slot k predicting the token at position start + k, reading the target's
 hidden states: the outputs of blocks `feature_layers(L, N)`, concatenated, Linear(N*D -> D), RMSNorm,
-one vector per committed position, which every drafter layer projects with its own k/v weights and
-reads before the block's own keys.
-Training (random anchors' blocks packed in one forward, slot k weighted exp(-(k-1)/g)): train/drafter_losses.py.
+one vector per committed position, which every drafter layer projects with its own k/v weights.
+Training (`dflash_loss`): random anchors' blocks packed in ONE drafter forward (`training_mask`: a block
+sees the context before its anchor and itself), slot k's CE weighted exp(-(k-1)/g).
 Each decoding round (both caches holding the committed sequence but its last token):
   1. draft:  the drafter fills the block in ONE forward; the drafts are its argmax;
   2. verify: the target reads [last token, d_1..d_K] in ONE forward, which also gives the features;
@@ -16,9 +16,9 @@ Each decoding round (both caches holding the committed sequence but its last tok
              so the output is the target's distribution for any draft (greedy: token for token);
   4. commit: the target's cache is cropped, the drafter's grows by the new tokens' features.
 The target is *held*, not registered: a drafter checkpoint is the drafter alone.
-Variants (tinydiff/extras/): the rejection rule and DSpark's verify length (dflash_reject.py),
+Variants (tinydiff/extras/): sampled drafts and the rejection rule, DSpark's verify length (dflash_reject.py),
 DSpark's Markov head (markov_head.py). Leaves out: the paper's scale (5 layers reading 5 features of a
-36-layer target), batches.
+36-layer target, hundreds of anchors a sequence), batches.
 """
 import time
 from dataclasses import dataclass
@@ -26,11 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, tied_head
-from tinydiff.sampling import check_warp_args, next_token_probs, sample
+from tinydiff.model import (RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, tied_head,
+                            wide)
+from tinydiff.sampling import check_warp_args, next_token_probs, sample, tempered_ce
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE
 
@@ -64,15 +66,6 @@ def target_dims(t: ModelConfig) -> dict:
     """The target dimensions a drafter built around it copies (DFlash here, EAGLE-3 too)."""
     return dict(vocab_size=t.vocab_size, context=t.context, d_model=t.d_model, target_layers=t.n_layer,
                 n_head=t.n_head, d_ff=t.d_ff, rope_base=t.rope_base, norm_eps=t.norm_eps)
-
-
-def check_drafter_config(config, rules: dict, what: str, top_layer: int):
-    """A drafter config's own fields (`rules`), the target's dimensions, its feature layer ids (0..top_layer)."""
-    check_fields(config, {**TARGET_RULES, **rules}, what)
-    if not isinstance(config.feature_layers, (list, tuple)):
-        raise UserError(f"{what} feature_layers must be a list of layer ids, got {config.feature_layers!r}")
-    layer = Rule(integer=True, lo=0, hi=top_layer)
-    config.feature_layers = [layer.check(f"{what} feature layer id", i) for i in config.feature_layers]
 
 
 @dataclass
@@ -113,17 +106,6 @@ class DFlashConfig:
         """A config that copies the target's dimensions; N defaults to min(5, L-3) (at least 1)."""
         return cls(**{**target_dims(target_config), "n_features": max(1, min(5, target_config.n_layer - 3)),
                       **overrides})
-
-
-def check_target(config, target, what: str = "drafter"):
-    """The target has the dimensions the drafter (DFlash's or EAGLE-3's) was built for; only these: the weights
-    may differ, so a drafter trained on a float ar-moe drafts for its FP4 version too."""
-    want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
-            "context": config.context}
-    for name, value in want.items():
-        if getattr(target.config, name) != value:
-            raise UserError(f"this {what} was built for a target with {name}={value}, but this target has "
-                            f"{getattr(target.config, name)}; pass the target checkpoint it was trained against")
 
 
 def init_around(drafter: nn.Module, target: Transformer, n_layer: int):
@@ -244,14 +226,118 @@ def draft_block(drafter: DFlashDrafter, cache: KVCache, last_token: int, hidden=
     return drafter(block_input(last_token, B, cache.k[0].device), cache.rows(B), ctx_k, ctx_v, mask)[0, 1:]
 
 
+# ---- training: every block of a window in one drafter forward
+
+def sample_anchors(batch: int, T: int, block_size: int, anchors: int, generator=None, device=None):
+    """min(anchors, T - B) distinct random anchors per window in [1, T - B], (batch, A): from 1, every block
+    has context; up to T - B, its last slot's label is still in the window."""
+    A = min(anchors, T - block_size)
+    return torch.rand(batch, T - block_size, generator=generator, device=device).argsort(-1)[:, :A] + 1
+
+
+def training_mask(anchors, block_size: int, T: int):
+    """(Bw, A*B, T + A*B) bool for anchors (Bw, A): columns are the T context positions, then A blocks of B
+    slots; a block's rows see the context strictly before its anchor and their own block, nothing else."""
+    A = anchors.shape[1]
+    row_anchor = anchors.repeat_interleave(block_size, 1)  # (Bw, A*B)
+    sees_context = torch.arange(T, device=anchors.device) < row_anchor[..., None]  # (Bw, A*B, T)
+    blocks = torch.arange(A * block_size, device=anchors.device) // block_size
+    sees_block = (blocks[:, None] == blocks[None, :]).expand(len(anchors), -1, -1)  # (Bw, A*B, A*B)
+    return torch.cat([sees_context, sees_block], -1)
+
+
+def packed_hidden(drafter: DFlashDrafter, windows, anchors):
+    """The drafter's hidden states (Bw, A, B-1, D) for the blocks at anchors (Bw, A) of windows (Bw, T), and the
+    target's last residual stream (Bw, T, D): one frozen target forward for the features, ONE drafter forward
+    for all blocks. No logits: at 50,258 a row, dflash_loss reads them a chunk of windows at a time."""
+    Bw, T = windows.shape
+    A = anchors.shape[1]
+    B = drafter.config.block_size
+    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
+        _, hidden = drafter.target(windows, causal=True, head_from=T,
+                                   hidden_layers=[*drafter.config.taps, drafter.config.target_layers])
+    last = hidden.pop()
+    kv = drafter.context_kv(drafter.features(hidden), torch.arange(T, device=windows.device))
+    pos = (anchors[..., None] + torch.arange(B, device=windows.device)).flatten(1)  # (Bw, A*B)
+    block = windows.gather(1, pos).view(Bw, A, B)
+    block[:, :, 1:] = MASK  # [token at anchor, MASK x (B-1)] per block
+    mask = training_mask(anchors, B, T)[:, None]  # (Bw, 1, A*B, T + A*B): shared by heads
+    h = drafter.hidden(block.flatten(1), pos, [k for k, _ in kv], [v for _, v in kv], mask)  # (Bw, A*B, D)
+    return h.view(Bw, A, B, -1)[:, :, 1:], last  # slot 0 holds the anchor's token: no prediction
+
+
+def packed_logits(drafter: DFlashDrafter, windows, anchors):
+    """packed_hidden's logits: the drafter's (Bw, A, B-1, V) and the target's (Bw, T, V)."""
+    h, last = packed_hidden(drafter, windows, anchors)
+    with torch.no_grad():
+        target_logits = drafter.target.logits(last)
+    return drafter.logits(h), target_logits
+
+
+def block_loss(drafter: DFlashDrafter, windows, anchors, logits, target_logits, temperature: float | None = None):
+    """The weighted block CE of logits (Bw, A, B-1, V) at anchors (Bw, A) of windows (Bw, T), and its stats."""
+    Bw, A = anchors.shape
+    B = drafter.config.block_size
+    positions = (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
+    labels = windows.gather(1, positions).view(Bw, A, B - 1)
+    if logits.shape[-1] > MASK:  # never a label, never drafted: keep no mass on it
+        logits[..., MASK] = float("-inf")
+    if temperature is None:
+        ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
+    else:  # the target's distribution for slot k's position, predicted from the position before it
+        V = target_logits.shape[-1]
+        predicted = target_logits.gather(1, (positions - 1)[..., None].expand(-1, -1, V))  # (Bw, A*(B-1), V)
+        ce = tempered_ce(logits, predicted.view(Bw, A, B - 1, V), temperature)
+    ce = ce.view(Bw, A, B - 1)
+    w = torch.exp(-torch.arange(B - 1, device=windows.device, dtype=ce.dtype) / drafter.config.loss_decay)
+    loss = (ce * w).sum(-1).mean() / w.sum()  # slot k weighted exp(-(k-1)/g): nats per token whatever B is
+    correct = (logits.argmax(-1) == labels).long()  # (Bw, A, B-1)
+    return loss, {"ce": loss.detach(), "acc": correct[..., 0].float().mean(),
+                  "tau_proxy": 1 + correct.cumprod(-1).sum(-1).float().mean()}
+
+
+def dflash_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
+    """Weighted block CE on windows (Bw, T) of clean text: (loss, stats). Labels: the text's tokens, or with
+    a `temperature` the target's distribution (sampling.tempered_ce). stats: ce, acc (slot 1's argmax right),
+    tau_proxy (1 + the mean run of leading correct slots: greedy tau if the target's picks were the text).
+    Memory: the logits of a few windows at a time (checkpointed_chunks), made again in the backward:
+    a window of 256 tokens reads 32 blocks x 15 slots of 50,258 logits, 97 MB in float32."""
+    B = drafter.config.block_size
+    check_windows(windows, B)
+    Bw = len(windows)
+    anchors = sample_anchors(Bw, windows.shape[1], B, drafter.config.anchors, generator, windows.device)
+    hidden, last = packed_hidden(drafter, windows, anchors)  # (Bw, A, B-1, D), (Bw, T, D)
+
+    def chunk_loss(h, last, windows, anchors):  # summed over a chunk's windows (checkpointed_chunks)
+        with torch.no_grad():
+            target_logits = None if temperature is None else drafter.target.logits(last)  # (b, T, V)
+        loss, stats = block_loss(drafter, windows, anchors, drafter.logits(h), target_logits, temperature)
+        return loss * len(windows), {k: v * len(windows) for k, v in stats.items()}
+
+    parts = checkpointed_chunks(chunk_loss, anchors.shape[1] * (B - 1), hidden, last, windows, anchors)
+    loss = sum(part for part, _ in parts) / Bw
+    return loss, {"ce": loss.detach(), **{k: sum(stats[k] for _, stats in parts) / Bw for k in ("acc", "tau_proxy")}}
+
+
+LOSS_ROWS = 512  # rows a loss reads at once: each holds a few vectors of 50,258 floats (~0.2 MB each in float32)
+
+
+def checkpointed_chunks(fn, rows_each: int, *tensors) -> list:
+    """[fn(*chunk) for chunks of tensors along dim 0], a chunk about LOSS_ROWS rows of rows_each each, its graph
+    run again in the backward (activation checkpointing): a loss over 50,258-wide logits (DFlash's, EAGLE-3's)
+    holds one chunk's logits at a time, not the batch's."""
+    n = max(1, LOSS_ROWS // rows_each)
+    return [checkpoint(fn, *(t[i:i + n] for t in tensors), use_reentrant=False) for i in range(0, len(tensors[0]), n)]
+
+
 # ---- decoding
 
-def argmax_drafts(drafter, logits, first_token, warp_args, generator=None):
-    """DFlash's drafts (K,): the drafter's argmax per slot (never MASK); q is None (match reads none)."""
-    return next_token_probs(logits, 0).argmax(-1), None
+def argmax_drafts(logits):
+    """DFlash's drafts (K,): the drafter's argmax per slot of its block logits (K, V), never MASK."""
+    return next_token_probs(logits, 0).argmax(-1)
 
 
-def match(p, drafts, q, generator=None, greedy=False):
+def match(p, drafts, generator=None, greedy=False):
     """DFlash's rule: p (K+1, V) the target's warped distributions, drafts (K,) -> (n, token). The target
     samples y_i ~ p_i position by position; drafts are kept while d_i == y_i; `token` = y_n. Draws stop at
     the first mismatch. Greedy (one-hot p): every position at once, one read-back."""
@@ -265,21 +351,45 @@ def match(p, drafts, q, generator=None, greedy=False):
             return i, y
 
 
-def check_drafter(target, drafter, block_size) -> int:
-    """The drafter is a DFlashDrafter built for this target's dimensions; returns the block size."""
-    if not isinstance(drafter, DFlashDrafter):
-        raise UserError(f"the drafter is a {type(drafter).__name__}; build a tinydiff.dflash.DFlashDrafter or "
-                        "load a DFlash drafter checkpoint")
-    check_target(drafter.config, target)
-    block_size = drafter.config.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or not 2 <= block_size <= drafter.config.block_size:
-        raise UserError(f"block size must be an integer in [2, {drafter.config.block_size}] for this drafter "
-                        f"(trained with blocks of {drafter.config.block_size}), got {block_size!r}")
-    if drafter.fc.weight.device != target.embed.weight.device:
-        raise UserError(f"the drafter is on {drafter.fc.weight.device} but the target on "
-                        f"{target.embed.weight.device}; move both to one device")
-    return block_size
+@torch.no_grad()
+def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
+                    top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids), each round drafting a block of block_size (default the drafter's
+    B) and committing 1..B tokens, until max_new_tokens (None: the context) or stop_token (None: never).
+    on_round(info) after every round. Returns (new ids, speculative.Speculated)."""
+    warp_args = (temperature, top_k, top_p)
+    device = target.embed.weight.device
+    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
+                                                                  warp_args)
+    seq = list(prompt)
+    out = []
+    tally = Tally(B - 1, prefill=prefill)
+    while len(out) < n_new:
+        n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
+        t0 = time.perf_counter()
+        drafts = torch.empty(0, dtype=torch.long, device=device)
+        if n_drafts:  # 1. draft: ONE drafter forward for the block
+            drafts = argmax_drafts(draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts])  # (K,)
+        t1 = split_time(device)
+        x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)  # 2. verify
+        n, token = match(next_token_probs(logits[0], *warp_args), drafts, generator, temperature == 0)  # 3. match
+        tally.clock(t0, t1, time.perf_counter())
+        tokens, stopped = cut_at_stop(drafts.tolist()[:n] + [token], stop_token)  # 4. commit
+        seq += tokens
+        out += tokens
+        target_cache.crop(len(seq) - 1)  # the newest token is read next round
+        drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])
+        tally.add(n, len(drafts), int(n_drafts > 0))  # one drafter forward per round that drafted
+        if on_round is not None:
+            on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": draft_cache})
+        if stopped:
+            break
+    return out, tally.result(out, device)
 
+
+# ---- the loops' start, and the checks
 
 def start_decoding(target, drafter, prompt, max_new_tokens, block_size, warp_args):
     """Every block-drafter loop's start (DFlash, DDTree, variants): checks, both caches filled by a target
@@ -298,40 +408,44 @@ def start_decoding(target, drafter, prompt, max_new_tokens, block_size, warp_arg
     return n_new, B, target_cache, draft_cache, 1
 
 
-@torch.no_grad()
-def dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
-                    top_p=None, generator=None, stop_token=EOT, on_round=None, propose=argmax_drafts, judge=match):
-    """Decode after `prompt` (list of ids), each round drafting a block of block_size (default the drafter's
-    B) and committing 1..B tokens, until max_new_tokens (None: the context) or stop_token (None: never).
-    on_round(info) after every round. propose(drafter, logits (K, V), first_token, warp_args, generator) ->
-    (drafts, q) and judge(p, drafts, q, generator, greedy) -> (n, token) are the round's two rules (the
-    variants in tinydiff/extras/ pass their own). Returns (new ids, speculative.Speculated)."""
-    warp_args, device = (temperature, top_k, top_p), target.embed.weight.device
-    n_new, B, target_cache, draft_cache, prefill = start_decoding(target, drafter, prompt, max_new_tokens, block_size,
-                                                                  warp_args)
-    seq, out = list(prompt), []
-    tally = Tally(B - 1, prefill=prefill)
-    while len(out) < n_new:
-        n_drafts = min(B - 1, n_new - len(out) - 1)  # a full acceptance plus the bonus lands on n_new
-        t0 = time.perf_counter()
-        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
-        if n_drafts:  # draft: ONE drafter forward for the block
-            logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
-            drafts, q = propose(drafter, logits, seq[-1], warp_args, generator)
-        t1 = split_time(device)
-        x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)  # verify
-        n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, temperature == 0)
-        tally.clock(t0, t1, time.perf_counter())
-        tokens, stopped = cut_at_stop(drafts.tolist()[:n] + [token], stop_token)  # commit
-        seq += tokens
-        out += tokens
-        target_cache.crop(len(seq) - 1)  # the newest token is read next round
-        drafter.extend(draft_cache, [h[:, :len(tokens)] for h in hidden])
-        tally.add(n, len(drafts), int(n_drafts > 0))  # one drafter forward per round that drafted
-        if on_round is not None:
-            on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
-                      "target_cache": target_cache, "draft_cache": draft_cache})
-        if stopped:
-            break
-    return out, tally.result(out, device)
+def check_drafter(target, drafter, block_size) -> int:
+    """The drafter is a DFlashDrafter built for this target's dimensions; returns the block size."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise UserError(f"the drafter is a {type(drafter).__name__}; build a tinydiff.dflash.DFlashDrafter or "
+                        "load a DFlash drafter checkpoint")
+    check_target(drafter.config, target)
+    block_size = drafter.config.block_size if block_size is None else block_size
+    if not isinstance(block_size, int) or not 2 <= block_size <= drafter.config.block_size:
+        raise UserError(f"block size must be an integer in [2, {drafter.config.block_size}] for this drafter "
+                        f"(trained with blocks of {drafter.config.block_size}), got {block_size!r}")
+    if drafter.fc.weight.device != target.embed.weight.device:
+        raise UserError(f"the drafter is on {drafter.fc.weight.device} but the target on "
+                        f"{target.embed.weight.device}; move both to one device")
+    return block_size
+
+
+def check_target(config, target, what: str = "drafter"):
+    """The target has the dimensions the drafter (DFlash's or EAGLE-3's) was built for; only these: the weights
+    may differ, so a drafter trained on a float ar-moe drafts for its FP4 version too."""
+    want = {"vocab_size": config.vocab_size, "d_model": config.d_model, "n_layer": config.target_layers,
+            "context": config.context}
+    for name, value in want.items():
+        if getattr(target.config, name) != value:
+            raise UserError(f"this {what} was built for a target with {name}={value}, but this target has "
+                            f"{getattr(target.config, name)}; pass the target checkpoint it was trained against")
+
+
+def check_drafter_config(config, rules: dict, what: str, top_layer: int):
+    """A drafter config's own fields (`rules`), the target's dimensions, its feature layer ids (0..top_layer)."""
+    check_fields(config, {**TARGET_RULES, **rules}, what)
+    if not isinstance(config.feature_layers, (list, tuple)):
+        raise UserError(f"{what} feature_layers must be a list of layer ids, got {config.feature_layers!r}")
+    layer = Rule(integer=True, lo=0, hi=top_layer)
+    config.feature_layers = [layer.check(f"{what} feature layer id", i) for i in config.feature_layers]
+
+
+def check_windows(windows, block_size: int):
+    """Training windows hold a block after at least one token of context."""
+    if windows.shape[1] < block_size + 1:
+        raise UserError(f"windows of {windows.shape[1]} tokens are too short for blocks of {block_size}; "
+                        f"use >= {block_size + 1}")

@@ -11,16 +11,17 @@ row t reads [embedding of token t+1, a feature of position t] at position t+1 an
             hidden state of step i-1 instead, with the token it drafted there;
   input     `Linear(2D -> D)` on [RMSNorm(embedding), RMSNorm(feature)], then one causal block over
             explicit keys/values (dflash.ExtraKVBlock); committed rows' K/V sit in a KVCache;
-  training  the "training-time test" (unrolled K steps on its own features): train/drafter_losses.py.
+  training  the "training-time test" (`eagle_loss`): the head unrolled K steps on its own hidden
+            states, each step's rows seeing the keys its draft step sees at inference (`unroll_mask`).
 Decoding, each round with committed seq (S tokens), both caches holding seq[:-1] and `ready` the
 head's logits for token S and the hidden state that goes with them:
-  chain     d_1 ~ warp(ready); draft j >= 2 reads [d_{j-1}, the hidden of step j-1]: k-1 head forwards.
-            The target reads [seq[-1], d_1..d_k] in one forward; speculation's rule
-            (speculative.verify) keeps the output the target's distribution, greedy at T = 0;
-  tree      (a budget of N nodes) EAGLE-2's dynamic tree: each depth, every frontier node offers its
-            top `branch` children (scored by the sum of the head's log-probs along the path), the best
-            `branch` of them form the next frontier, read by one head forward (a node sees the committed
-            rows, its ancestors and itself); after k depths the best N nodes are kept. Verified as a
+  chain     (eagle_chain_generate) d_1 ~ warp(ready); draft j >= 2 reads [d_{j-1}, the hidden of step
+            j-1]: k-1 head forwards. The target reads [seq[-1], d_1..d_k] in one forward; speculation's
+            rule (speculative.verify) keeps the output the target's distribution, greedy at T = 0;
+  tree      (eagle_tree_generate, a budget of N nodes) EAGLE-2's dynamic tree: each depth, every frontier
+            node offers its top `branch` children (scored by the sum of the head's log-probs along the
+            path), the best `branch` of them form the next frontier, read by one head forward (a node sees
+            the committed rows, its ancestors and itself); after k depths the best N nodes are kept. Verified as a
             DDTree: ddtree.compile_tree / follow_tree / compact_cache, lossless at every temperature;
   commit    the target cache is cropped (chain) or compacted (tree); the head reads the committed rows
             with the verify forward's target features in one forward, which gives the next `ready`.
@@ -36,9 +37,10 @@ import torch.nn.functional as F
 from tinydiff.ar import check_prompt
 from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
-from tinydiff.dflash import TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, init_around, target_dims
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, tied_head
-from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample
+from tinydiff.dflash import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, checkpointed_chunks,
+                             init_around, target_dims)
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, tied_head, wide
+from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
 from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, VOCAB_SIZE
 
@@ -138,7 +140,8 @@ class EagleHead(nn.Module):
         """Append committed rows: tokens (1, T) are the tokens after the positions whose target hidden
         states (3 x (1, T, D)) are given. Returns the last row's logits (V,) and hidden state (D,):
         the first draft of the next round and the feature that goes with it."""
-        n, T = cache.length, tokens.shape[1]
+        n = cache.length
+        T = tokens.shape[1]
         pos = torch.arange(n + 1, n + 1 + T, device=tokens.device)  # row t reads token t+1
         mask = torch.ones(T, n + T, dtype=torch.bool, device=tokens.device).tril(n)  # causal after the cache
         logits, h, k, v = self(tokens, self.fused(hidden), pos, *committed_kv(cache), mask)
@@ -148,18 +151,107 @@ class EagleHead(nn.Module):
 
 
 def committed_kv(cache):
-    return cache.k[0][:, :, :cache.length], cache.v[0][:, :, :cache.length]  # (1, H, S-1, D/H) each
+    """The committed rows' keys and values, (1, H, S-1, D/H) each."""
+    return cache.k[0][:, :, :cache.length], cache.v[0][:, :, :cache.length]
 
+
+# ---- training: the training-time test, the head unrolled on its own features
+
+def unroll_mask(T: int, step: int, device=None):
+    """Who row r of unroll step i may attend to: (T, (i+1)T) bool over [step 0 | step 1 | ... | step i].
+
+    Row r at step i is draft step i+1 after the committed row c = r - i: as at inference it sees
+    step 0's rows 0..c (the committed rows, read with target features) and from each step m = 1..i
+    the single row c + m (the m-th draft row of its own chain; m = i is the row itself). Rows r < i
+    have no committed row; they see only themselves and feed no loss.
+    """
+    r = torch.arange(T, device=device)[:, None]
+    c = torch.arange(T, device=device)[None]
+    anchored = r >= step
+    return torch.cat([c <= r - step] + [(c == r - step + m) & (anchored | (m == step)) for m in range(1, step + 1)], 1)
+
+
+def unrolled_hidden(head: EagleHead, windows, steps: int):
+    """The head unrolled `steps` steps on windows (Bw, T): its hidden states, (Bw, steps, T-1, D) (row r's
+    logits predict token r+2), and the target's last residual stream (Bw, T, D), one frozen target forward.
+    No logits: at 50,258 a row, eagle_loss reads them a chunk of rows at a time."""
+    Bw, T = windows.shape
+    with torch.no_grad():  # head_from=T: the target's head is left for the loss to run on `last`
+        _, hidden = head.target(windows, causal=True, head_from=T,
+                                hidden_layers=[*head.config.feature_layers, head.config.target_layers])
+    last = hidden.pop()
+    tokens = windows[:, 1:]  # row r reads token r+1
+    pos = torch.arange(1, T, device=windows.device)
+    features = head.fused([h[:, :-1] for h in hidden])  # (Bw, T-1, D): row r's is position r's
+    D, H = head.config.d_model, head.config.n_head
+    past_k = past_v = features.new_zeros(Bw, H, 0, D // H)
+    out = []
+    for i in range(steps):
+        h, k, v = head.hidden(tokens, features, pos, past_k, past_v, unroll_mask(T - 1, i, windows.device))
+        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (Bw, H, (i+1)(T-1), D/H)
+        out.append(h)
+        features = F.pad(h[:, :-1], (0, 0, 1, 0))  # row r's next feature: row r-1's hidden (row 0: none)
+    return torch.stack(out, 1), last  # (Bw, steps, T-1, D)
+
+
+def unrolled_logits(head: EagleHead, windows, steps: int):
+    """unrolled_hidden's logits: the head's per step, steps x (Bw, T-1, V), and the target's (Bw, T, V)."""
+    hidden, last = unrolled_hidden(head, windows, steps)
+    with torch.no_grad():
+        target_logits = head.target.logits(last)
+    return list(head.logits(hidden).unbind(1)), target_logits
+
+
+def eagle_loss(head: EagleHead, windows, generator=None, steps=None, temperature: float = 1.0):
+    """Training-time-test distillation loss on windows (Bw, T); returns (loss, stats).
+
+    loss = sum_i w_i CE_i / sum_i w_i, w_i = step_decay^i over steps i = 0..K-1 (K = steps, default
+    config.steps_ahead), CE_i the mean over rows r >= i of the cross-entropy of step i's row r
+    against the target's distribution for token r+2, both read at `temperature` (1 by default,
+    --draft-temperature's for a head trained for sampling there). `generator` is unused (kept for train.py's
+    one loss signature). stats: ce (the loss), acc (step 0's argmax == the target's), acc_last
+    (the same at step K-1), tau_proxy (1 + the mean run of leading correct steps per committed
+    row: the greedy tau at k = K if the target's picks were the data).
+    Memory: the logits of a few windows at a time (dflash.checkpointed_chunks), made again in the
+    backward, so the batch's (Bw, K, T-1, V) logits never exist at once.
+    """
+    K = head.config.steps_ahead if steps is None else steps
+    Bw, T = windows.shape
+    check_unroll(K, T)
+    hidden, last = unrolled_hidden(head, windows, K)  # (Bw, K, T-1, D), (Bw, T, D)
+    w = torch.tensor([head.config.step_decay ** i for i in range(K)], dtype=torch.float64)
+    rows = torch.arange(T - 1)
+    weight = torch.stack([(rows >= i) * wi / (w.sum() * Bw * (T - 1 - i)) for i, wi in enumerate(w)])  # (K, T-1)
+    weight = weight.to(windows.device, wide(hidden.dtype))  # row r >= i's share of step i's mean
+
+    def chunk_loss(hidden, last):  # a few windows' share of the loss (checkpointed_chunks)
+        with torch.no_grad():
+            p = next_token_probs(head.target.logits(last[:, 1:]), temperature)  # (b, T-1, V): for token r+2
+        logits = head.logits(hidden)  # (b, K, T-1, V)
+        loss = (soft_ce(logits / temperature, p[:, None]) * weight).sum()
+        return loss, draftable(logits.detach()).argmax(-1) == p[:, None].argmax(-1)  # (b, K, T-1)
+
+    parts = checkpointed_chunks(chunk_loss, K * (T - 1), hidden, last)
+    loss = sum(part for part, _ in parts)
+    correct = torch.cat([right for _, right in parts]).transpose(0, 1)  # (K, Bw, T-1)
+    runs = torch.stack([correct[i, :, i:T - K + i] for i in range(K)]).long()  # (K, Bw, T-K): row c's chain
+    acc_last = correct[-1, :, K - 1:].float().mean()  # step K-1's rows that have a committed row
+    return loss, {"ce": loss.detach(), "acc": correct[0].float().mean(), "acc_last": acc_last,
+                  "tau_proxy": 1 + runs.cumprod(0).sum(0).float().mean()}
+
+
+# ---- decoding: drafts, a chain or a tree
 
 def draft_chain(head: EagleHead, cache, ready, n_drafts: int, warp_args, generator=None):
     """n_drafts tokens sampled from the head: d_1 from the ready logits, then one head forward per further
     draft (its rows' keys kept here, never in the cache). Returns drafts (K,), their warped distributions
     q (K, V) and the head's raw logits (K, V)."""
-    V, device = head.config.vocab_size, head.fuse.weight.device
+    device = head.fuse.weight.device
     if not n_drafts:  # the last round may have no room for drafts, the first none to draft from
-        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, V, device=device), \
-            torch.empty(0, V, device=device)
-    (logits, hidden), n = ready, cache.length  # (V,), (D,)
+        none = torch.empty(0, head.config.vocab_size, device=device)
+        return torch.empty(0, dtype=torch.long, device=device), none, none
+    logits, hidden = ready  # (V,), (D,)
+    n = cache.length
     past_k, past_v = committed_kv(cache)
     drafts, qs, raw = [], [], []
     for j in range(n_drafts):
@@ -184,11 +276,15 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
     """EAGLE-2's dynamic tree of up to `budget` nodes and `depth` levels from the ready logits. Returns
     (ddtree.Tree, head forwards spent: depth - 1); nodes are numbered best-first (score descending, ties
     by creation), so a parent precedes its children, as in ddtree's trees."""
-    n, device = cache.length, ready[1].device
+    n = cache.length
+    device = ready[1].device
     past_k, past_v = committed_kv(cache)
     tokens, parents, depths, scores = [-1], [-1], [0], [0.0]  # every node offered; 0 is the root
-    row_of, hidden_of = {}, {0: ready[1]}  # node -> its row among the tree rows read, its hidden state
-    frontier, logits, forwards = [0], ready[0][None], 0  # logits (F, V)
+    row_of = {}  # node -> its row among the tree rows read
+    hidden_of = {0: ready[1]}  # node -> its hidden state
+    frontier = [0]
+    logits = ready[0][None]  # (F, V)
+    forwards = 0
     for d in range(1, depth + 1):
         top = torch.topk(log_probs(logits), min(branch, logits.shape[-1]), -1)  # (F, branch): distinct children
         offered = []
@@ -203,7 +299,8 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
         if d == depth:
             break
         frontier = sorted(offered, key=lambda i: -scores[i])[:branch]  # stable: ties keep creation order
-        F_, R = len(frontier), len(row_of)
+        F_ = len(frontier)
+        R = len(row_of)
         mask = torch.zeros(F_, n + R + F_, dtype=torch.bool)
         mask[:, :n] = True  # the committed rows
         for f, node in enumerate(frontier):
@@ -219,7 +316,8 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
         forwards += 1
         past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
         for f, node in enumerate(frontier):
-            row_of[node], hidden_of[node] = R + f, h[0, f]
+            row_of[node] = R + f
+            hidden_of[node] = h[0, f]
         logits = lg[0]  # (F, V)
     keep = [0] + sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
     index = {node: i for i, node in enumerate(keep)}
@@ -234,7 +332,116 @@ def draft_tree(head: EagleHead, cache, ready, depth: int, branch: int, budget: i
     return tree, forwards
 
 
-def check_args(target, head, k, budget, branch):
+@torch.no_grad()
+def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
+                   top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids): chains of k drafts (budget None: eagle_chain_generate) or trees of up
+    to `budget` nodes, k deep and `branch` wide (eagle_tree_generate); their arguments and results."""
+    if budget is None:
+        return eagle_chain_generate(target, head, prompt, max_new_tokens, k, temperature, top_k, top_p, generator,
+                                    stop_token, on_round)
+    return eagle_tree_generate(target, head, prompt, max_new_tokens, k, budget, branch, temperature, top_k, top_p,
+                               generator, stop_token, on_round)
+
+
+@torch.no_grad()
+def eagle_chain_generate(target, head, prompt, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None,
+                         generator=None, stop_token=EOT, on_round=None):
+    """Decode after `prompt` (list of ids), chains of k drafts, 1..k+1 tokens a round, until max_new_tokens (None:
+    the context) or stop_token (None: never; the round's tokens after it dropped). on_round(info) after every
+    round: drafts, accepted, tokens, seq, target_cache, draft_cache. Returns (new ids, speculative.Speculated):
+    forwards = rounds + the prefill, draft_forwards = head forwards, the reads of committed rows included."""
+    warp_args = (temperature, top_k, top_p)
+    n_new = check_decoding(target, head, prompt, max_new_tokens, k, warp_args)
+    device = target.embed.weight.device
+    tally = Tally(k)
+    target_cache, head_cache, ready = prefill(target, head, prompt, tally)
+    seq = list(prompt)
+    out = []
+    while len(out) < n_new:
+        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        drafts, q, _ = draft_chain(head, head_cache, ready, depth, warp_args, generator)  # (K,), (K, V)
+        x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
+        logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=head.config.feature_layers)
+        n, token = verify(next_token_probs(logits[0], *warp_args), q, drafts, generator)
+        tokens, stopped = cut_at_stop(drafts[:n].tolist() + [token], stop_token)  # commit
+        seq += tokens
+        out += tokens
+        target_cache.crop(len(seq) - 1)  # the newest token is read next round
+        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, :len(tokens)] for h in hidden])
+        tally.add(n, depth, max(0, depth - 1) + 1)  # + the head's read of the committed rows
+        if on_round is not None:
+            on_round({"drafts": drafts.tolist(), "accepted": n, "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": head_cache})
+        if stopped:
+            break
+    return out, tally.result(out, device)
+
+
+@torch.no_grad()
+def eagle_tree_generate(target, head, prompt, max_new_tokens, k=4, budget=32, branch=4, temperature=0.0, top_k=None,
+                        top_p=None, generator=None, stop_token=EOT, on_round=None):
+    """eagle_chain_generate with trees of up to `budget` nodes, k deep and `branch` wide, instead of chains:
+    on_round's info holds tree and path instead of drafts, Speculated's proposed counts tree nodes."""
+    warp_args = (temperature, top_k, top_p)
+    n_new = check_decoding(target, head, prompt, max_new_tokens, k, warp_args, budget, branch)
+    device = target.embed.weight.device
+    tally = Tally(k, chain=False)
+    target_cache, head_cache, ready = prefill(target, head, prompt, tally)
+    seq = list(prompt)
+    out = []
+    while len(out) < n_new:
+        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
+        start = target_cache.length  # = len(seq) - 1
+        if depth:
+            room = target.config.context - len(seq)
+            tree, spent = draft_tree(head, head_cache, ready, depth, branch, min(budget, room))
+        else:  # no depth: the root alone, the target's one sample
+            tree = build_tree(torch.empty(0, 1), 1)
+            spent = 0
+        ids, pos, mask = compile_tree(tree, start, seq[-1], device)
+        logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=head.config.feature_layers)
+        path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
+        tokens, stopped = cut_at_stop(tree.tokens[path].tolist() + [token], stop_token)  # commit
+        seq += tokens
+        out += tokens
+        rows = [0, *path][:len(tokens)]  # the verify rows now committed (the newest token is read next round)
+        if rows == list(range(len(rows))):  # a prefix of the verify rows: nothing to move
+            target_cache.crop(start + len(rows))
+        else:
+            compact_cache(target_cache, start, rows[1:])
+        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in hidden])
+        tally.add(len(path), tree.size, spent + 1, int(tree.depths.max()))  # + the head's read of the committed rows
+        if on_round is not None:
+            on_round({"tree": tree, "path": path, "accepted": len(path), "tokens": tokens, "seq": list(seq),
+                      "target_cache": target_cache, "draft_cache": head_cache})
+        if stopped:
+            break
+    return out, tally.result(out, device)
+
+
+def prefill(target, head, prompt, tally):
+    """Both loops' start: the target reads prompt[:-1], the head its features (one forward each, counted in
+    tally). Returns the target's and the head's caches and `ready` (None for a one-token prompt)."""
+    target_cache = target.new_cache(1)
+    head_cache = head.new_cache(1)
+    if len(prompt) < 2:
+        return target_cache, head_cache, None
+    device = target.embed.weight.device
+    _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache,
+                       hidden_layers=head.config.feature_layers)
+    ready = head.extend(head_cache, torch.tensor([prompt[1:]], device=device), hidden)
+    tally.prefill = 1
+    tally.draft_forwards = 1
+    return target_cache, head_cache, ready
+
+
+# ---- the checks
+
+def check_decoding(target, head, prompt, max_new_tokens, k, warp_args, budget=None, branch=None) -> int:
+    """The loops' arguments (budget and branch: the tree's); returns how many new tokens to decode."""
+    check_warp_args(*warp_args)
+    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
     if not isinstance(head, EagleHead):
         raise UserError(f"the head is a {type(head).__name__}; build a tinydiff.eagle3.EagleHead or load an "
                         "EAGLE-3 checkpoint (train.py --model eagle3)")
@@ -246,67 +453,14 @@ def check_args(target, head, k, budget, branch):
         raise UserError(f"k (drafts per round, the tree's depth) must be an integer >= 1, got {k!r}")
     if budget is not None:
         check_budget(budget)
-    if not isinstance(branch, int) or isinstance(branch, bool) or branch < 1:
+    if branch is not None and (not isinstance(branch, int) or isinstance(branch, bool) or branch < 1):
         raise UserError(f"branch (children per tree node and frontier width) must be an integer >= 1, got {branch!r}")
+    return n_new
 
 
-@torch.no_grad()
-def eagle_generate(target, head, prompt, max_new_tokens, k=4, budget=None, branch=4, temperature=0.0, top_k=None,
-                   top_p=None, generator=None, stop_token=EOT, on_round=None):
-    """Decode after `prompt` (list of ids): chains of k drafts (budget None) or trees of up to `budget` nodes,
-    k deep and `branch` wide; 1..k+1 tokens committed per round. Stops after max_new_tokens (None: fill the
-    context) or after stop_token (None: never; tokens after it in the same round are dropped). on_round(info)
-    after every round: drafts (chain) or tree and path (tree), accepted, tokens, seq, target_cache, draft_cache.
-
-    Returns (new ids, speculative.Speculated): proposed counts drafts or tree nodes, forwards = rounds +
-    the prefill, draft_forwards = head forwards, the reads of committed rows included.
-    """
-    warp_args = (temperature, top_k, top_p)
-    check_warp_args(*warp_args)
-    n_new = check_prompt(prompt, target.config.context, max_new_tokens)
-    check_args(target, head, k, budget, branch)
-    device, layers = target.embed.weight.device, head.config.feature_layers
-    target_cache, head_cache = target.new_cache(1), head.new_cache(1)
-    seq, out, ready = list(prompt), [], None
-    tally = Tally(k, chain=budget is None)
-    if len(prompt) > 1:  # the prefill: the target reads prompt[:-1], the head its features
-        _, hidden = target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, hidden_layers=layers)
-        ready = head.extend(head_cache, torch.tensor([prompt[1:]], device=device), hidden)
-        tally.prefill, tally.draft_forwards = 1, 1
-    while len(out) < n_new:
-        depth = 0 if ready is None else min(k, n_new - len(out) - 1)  # full depth plus the bonus lands on n_new
-        start = target_cache.length  # = len(seq) - 1
-        if budget is None:  # a chain, judged by speculation's rule
-            drafts, q, _ = draft_chain(head, head_cache, ready, depth, warp_args, generator)
-            x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
-            logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=layers)
-            n, token = verify(next_token_probs(logits[0], *warp_args), q, drafts, generator)
-            tokens, rows, proposed, deepest, spent = drafts[:n].tolist() + [token], list(range(n + 1)), depth, depth, \
-                max(0, depth - 1)
-            info = {"drafts": drafts.tolist()}
-        else:  # a tree, followed as DDTree follows one
-            room = target.config.context - len(seq)
-            tree, spent = draft_tree(head, head_cache, ready, depth, branch, min(budget, room)) if depth else \
-                (build_tree(torch.empty(0, 1), 1), 0)  # no depth: the root alone, the target's one sample
-            ids, pos, mask = compile_tree(tree, start, seq[-1], device)
-            logits, hidden = target(ids, pos=pos, mask=mask, cache=target_cache, hidden_layers=layers)
-            path, token = follow_tree(tree, lambda i: next_token_probs(logits[0, i], *warp_args), generator)
-            n, tokens, rows, proposed, deepest = len(path), tree.tokens[path].tolist() + [token], [0, *path], \
-                tree.size, int(tree.depths.max())
-            info = {"tree": tree, "path": path}
-        tokens, stopped = cut_at_stop(tokens, stop_token)  # commit
-        seq += tokens
-        out += tokens
-        rows = rows[:len(tokens)]  # the verify rows now committed (the newest token is read next round)
-        if rows == list(range(len(rows))):  # a prefix of the verify rows (a chain's always are)
-            target_cache.crop(start + len(rows))
-        else:
-            compact_cache(target_cache, start, rows[1:])
-        ready = head.extend(head_cache, torch.tensor([tokens], device=device), [h[:, rows] for h in hidden])
-        tally.add(n, proposed, spent + 1, deepest)  # + the head's read of the committed rows
-        if on_round is not None:
-            on_round({**info, "accepted": n, "tokens": tokens, "seq": list(seq), "target_cache": target_cache,
-                      "draft_cache": head_cache})
-        if stopped:
-            break
-    return out, tally.result(out, device)
+def check_unroll(steps, T: int):
+    """The training-time test unrolls an integer >= 1 of steps, within the windows."""
+    if not isinstance(steps, int) or steps < 1:
+        raise UserError(f"steps (unrolled draft steps) must be an integer >= 1, got {steps!r}")
+    if T < steps + 1:
+        raise UserError(f"windows of {T} tokens are too short to unroll {steps} steps; use windows of >= {steps + 1}")

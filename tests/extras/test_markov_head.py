@@ -22,12 +22,12 @@ from table_models import TableTarget
 import train
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.extras.markov_head import markov_ddtree_generate, markov_drafts
+from tinydiff.dflash import dflash_loss
+from tinydiff.extras.markov_head import markov_ddtree_generate, markov_drafts, markov_loss
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.model import ModelConfig
 from tinydiff.sampling import next_token_probs
 from tinydiff.tokenizer import EOT, MASK
-from tinydiff.train.drafter_losses import dflash_loss, markov_loss
 
 
 @pytest.fixture(scope="module")

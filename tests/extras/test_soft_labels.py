@@ -19,13 +19,12 @@ from stats_helpers import (
 
 import train
 from tinydiff.checks import UserError
-from tinydiff.dflash import DFlashConfig, DFlashDrafter
-from tinydiff.eagle3 import EagleConfig, EagleHead
+from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_loss, packed_logits, sample_anchors
+from tinydiff.eagle3 import EagleConfig, EagleHead, eagle_loss, unrolled_logits
 from tinydiff.extras.regenerate import continue_batch
 from tinydiff.extras.soft_labels import soft_ar_loss
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.sampling import next_token_probs, soft_ce, tempered_ce
-from tinydiff.train.drafter_losses import dflash_loss, eagle_loss, packed_logits, sample_anchors, unrolled_logits
 
 
 def test_soft_ce_with_one_hot_labels_is_the_cross_entropy():

@@ -68,7 +68,7 @@ def test_match_verdict_is_sample_and_match_with_the_numbers_it_draws():
         guesses = torch.randint(0, V, (K,), generator=g)
         drafts = torch.where(torch.rand(K, generator=g) < 0.8, logits[:K].argmax(-1), guesses)
         state = g.get_state()
-        n, token = match(p[:m + 1], drafts[:m], None, g, greedy)
+        n, token = match(p[:m + 1], drafts[:m], g, greedy)
         g.set_state(state)
         u = torch.cat([torch.rand(m + 1, 1, generator=g, dtype=torch.float64),
                        torch.zeros(K - m, 1, dtype=torch.float64)])

@@ -2,7 +2,7 @@
 
 The DFlash and EAGLE-3 recipes (their default configs: 32 anchors of 16-token blocks; 3 unrolled steps) read
 a row of 50,258 logits per drafted slot: a batch's at once was 11.8 GB (dflash) and 14-15 GB (eagle3) of
-resident memory at `--preset tiny` (docs/LOG.md). train/drafter_losses.py's checkpointed_chunks reads LOSS_ROWS
+resident memory at `--preset tiny` (docs/LOG.md). dflash.py's checkpointed_chunks reads LOSS_ROWS
 rows at a time and makes them again in the backward. The AR and MDLM recipes (6.1 GB) train with
 train/fused_loss.py, which forms ROWS rows' loss and gradients at a time; its one-piece contrast is the core's
 loss (ar.py, diffusion.py).
@@ -24,7 +24,7 @@ import pytest
 
 PEAK = """
 import json, re, sys, torch
-from tinydiff.train import drafter_losses
+from tinydiff import dflash
 torch.set_num_threads(1)
 sys.path.insert(0, "tests")
 from stats_helpers import random_model
@@ -40,15 +40,15 @@ if kind in ("ar", "mdlm"):  # the fused loss, 8 rows a chunk (2 windows' masked 
 else:  # a window a chunk; then the batch in one piece
     if kind == "dflash":
         from tinydiff.dflash import DFlashConfig, DFlashDrafter
-        from tinydiff.train.drafter_losses import dflash_loss as loss_fn
+        from tinydiff.dflash import dflash_loss as loss_fn
         model = DFlashDrafter(DFlashConfig.for_target(target.config), target)
     else:
         from tinydiff.eagle3 import EagleConfig, EagleHead
-        from tinydiff.train.drafter_losses import eagle_loss as loss_fn
+        from tinydiff.eagle3 import eagle_loss as loss_fn
         model = EagleHead(EagleConfig.for_target(target.config), target)
     def rows(n):
         def loss(*args):
-            drafter_losses.LOSS_ROWS = n
+            dflash.LOSS_ROWS = n
             return loss_fn(*args)
         return loss
     losses = {"chunked": rows(1), "whole": rows(10 ** 9)}

@@ -9,12 +9,12 @@ drafts disagree with its earlier ones. DSpark adds a cheap low-rank bias from th
 where x_0 is the newest committed token (the block's slot 0) and x_{k-1} the draft at slot k-1. The
 drafter still runs ONE forward per block; the drafts then come left to right through the head alone,
 a lookup and an (r x V) product per slot (`draft_left_to_right`). Training teaches W1, W2 beside the
-drafter with the text's own previous token (teacher forcing: train/drafter_losses.py's `markov_loss`).
+drafter with the text's own previous token (teacher forcing: `markov_loss`, DFlash's block loss biased).
 W2 starts at zero, so a new head is plain DFlash until training moves it, and a head of rank 0 or with
 W2 = 0 is exactly plain DFlash (the tests hold both).
 Built from the core's pieces: `MarkovDrafter` is a DFlashDrafter with the head; its drafts go into
-dflash_generate as `propose` (argmax, or sampled for the rejection rule of dflash_reject.py), its trees
-into ddtree_generate as `grow` (a node's children read the bias of that node's own token).
+dflash_reject.py's loop as `propose` (argmax for DFlash's match rule, or sampled for the rejection rule),
+its trees into ddtree_generate as `grow` (a node's children read the bias of that node's own token).
 """
 import sys
 from dataclasses import dataclass
@@ -24,11 +24,14 @@ import torch.nn as nn
 
 from tinydiff.checks import COUNT, Rule, UserError
 from tinydiff.ddtree import Tree, best_first, check_tree_args, ddtree_generate, draft_logprobs
-from tinydiff.dflash import DFlashConfig, DFlashDrafter, dflash_generate
+from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_loss, check_windows, packed_logits,
+                             sample_anchors)
+from tinydiff.extras.dflash_reject import dflash_reject_generate
 from tinydiff.io.checkpoint import AR_KINDS, dflash_config, load_checkpoint, rebuild_around
 from tinydiff.io.checkpoint import drafter_from as plain_drafter_from
 from tinydiff.io.cli import run_main, story_parser, write_story
 from tinydiff.sampling import next_token_probs, sample
+from tinydiff.tokenizer import EOT
 
 RANK = Rule(integer=True, lo=0, hi=4096)  # a Markov head's rank, 0 = none
 
@@ -64,8 +67,23 @@ class MarkovDrafter(DFlashDrafter):
 
     def __init__(self, config: MarkovConfig, target):
         super().__init__(config, target)
-        self.markov = MarkovHead(config.vocab_size, config.markov_rank).to(self.fc.weight.device).zero_() \
-            if config.markov_rank else None
+        self.markov = None
+        if config.markov_rank:
+            self.markov = MarkovHead(config.vocab_size, config.markov_rank).to(self.fc.weight.device).zero_()
+
+
+def markov_loss(drafter: DFlashDrafter, windows, generator=None, temperature: float | None = None):
+    """dflash.dflash_loss for a MarkovDrafter: slot k's logits biased by the text's token at k - 1 (teacher
+    forcing). Not chunked: its runs are small."""
+    B = drafter.config.block_size
+    check_windows(windows, B)
+    Bw, T = windows.shape
+    anchors = sample_anchors(Bw, T, B, drafter.config.anchors, generator, windows.device)  # (Bw, A)
+    logits, target_logits = packed_logits(drafter, windows, anchors)  # (Bw, A, B-1, V)
+    if getattr(drafter, "markov", None) is not None:  # a plain drafter's loss is DFlash's
+        previous = (anchors[..., None] + torch.arange(B - 1, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
+        logits = logits + drafter.markov(windows.gather(1, previous).view(logits.shape[:-1])).to(logits.dtype)
+    return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
 
 
 def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
@@ -86,20 +104,23 @@ def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
 
 
 def markov_drafts(drafter, logits, first_token, warp_args, generator=None, sampled=False):
-    """dflash_generate's `propose` for a MarkovDrafter: the argmax chain of the biased logits (q None, the
-    match rule's), or with `sampled` each slot drawn from its biased row warped as the target (q: those
+    """dflash_reject_generate's `propose` for a MarkovDrafter: the argmax chain of the biased logits (q None,
+    the match rule's), or with `sampled` each slot drawn from its biased row warped as the target (q: those
     rows' distributions, the rejection rule's)."""
-    head = getattr(drafter, "markov", None)  # a plain drafter drafts as plain DFlash
-    if head is None:
+    def pick(rows):  # (..., V) -> (...): a draw, or the argmax (never MASK)
+        if sampled:
+            return sample(next_token_probs(rows, *warp_args), generator)
+        return next_token_probs(rows, 0).argmax(-1)
+
+    head = getattr(drafter, "markov", None)
+    if head is None:  # a plain drafter drafts as plain DFlash
         rows = logits
-        drafts = sample(next_token_probs(rows, *warp_args), generator) if sampled else \
-            next_token_probs(rows, 0).argmax(-1)
+        drafts = pick(rows)
     else:
-        def pick(row):
-            return sample(next_token_probs(row, *warp_args), generator) if sampled else \
-                next_token_probs(row, 0).argmax()
         drafts, rows = draft_left_to_right(head, logits, first_token, pick)
-    return drafts, next_token_probs(rows, *warp_args) if sampled else None
+    if not sampled:
+        return drafts, None
+    return drafts, next_token_probs(rows, *warp_args)
 
 
 @torch.no_grad()
@@ -119,15 +140,18 @@ def build_markov_tree(draft_logits, head, root_token: int, budget: int) -> Tree:
     return best_first(budget, D, children)
 
 
-def markov_dflash_generate(target, drafter, *args, **kwargs):
+def markov_dflash_generate(target, drafter, prompt, max_new_tokens, block_size=None, temperature=0.0, top_k=None,
+                           top_p=None, generator=None, stop_token=EOT, on_round=None):
     """dflash_generate (its arguments and result) with the drafts read through the drafter's Markov head."""
-    return dflash_generate(target, drafter, *args, propose=markov_drafts, **kwargs)
+    return dflash_reject_generate(target, drafter, prompt, max_new_tokens, block_size, temperature, top_k, top_p,
+                                  generator, stop_token, on_round, rule="match", propose=markov_drafts)
 
 
 def markov_ddtree_generate(target, drafter, *args, **kwargs):
     """ddtree_generate (its arguments and result) with trees whose children read the drafter's Markov head."""
     if getattr(drafter, "markov", None) is None:
         return ddtree_generate(target, drafter, *args, **kwargs)
+
     def grow(logits, root_token, n):
         return build_markov_tree(logits, drafter.markov, root_token, n)
     return ddtree_generate(target, drafter, *args, grow=grow, **kwargs)

@@ -9,7 +9,7 @@ the same way), so the cross-entropy H(p_T, q_T) = KL(p_T || q_T) + H(p_T) is sma
 q_T = p_T. Hard labels are the one-hot case: H(onehot(y), q) is the plain cross-entropy.
 The AR draft's loss (`soft_ar_loss`) runs the frozen target over the same windows; DFlash's and
 EAGLE-3's losses already run it for its features and take their labels from the same forward
-(train/drafter_losses.py: dflash_loss, eagle_loss with `temperature`).
+(dflash.dflash_loss, eagle3.eagle_loss with `temperature`).
 Leaves out: top-k / top-p in the labels (the draft is trained for plain temperature sampling),
 mixing hard and soft labels.
 """

@@ -2,7 +2,7 @@
 
 dflash.py's loop calls into two compiled steps a round (compiled.compiled's drafter and target) and keeps the rest eager: the drafts' argmax or draws, the target's warp, the acceptance
 rule with its read-backs, and the drafter's `extend`. vLLM and SGLang capture a draft + verify round
-with a fixed block size as one graph; so does `dflash_round` here, for dflash_generate's two rules:
+with a fixed block size as one graph; so does `dflash_round` here, for both rules of extras/dflash_reject.py:
   1. draft: the drafter fills [seq[-1], MASK x (B-1)] against its static context cache (rows past the
      committed ones hidden by a mask built from a device tensor), and picks its B - 1 drafts: the argmax
      ("match") or draws ("reject"), left to right through a Markov head if the drafter has one;
@@ -30,7 +30,7 @@ import torch
 
 from tinydiff.checks import UserError
 from tinydiff.dflash import check_drafter, draft_block, start_decoding
-from tinydiff.extras.dflash_reject import RULES
+from tinydiff.extras.dflash_reject import RULES, rule_steps
 from tinydiff.extras.markov_head import draft_left_to_right, markov_drafts
 from tinydiff.fast.compiled import Compiled, compile_seconds, compiled, forward_at
 from tinydiff.fast.fused_round import PREFILL_CHUNK, RewindableDraws, padded, uniforms, verdict
@@ -44,7 +44,8 @@ def pick_drafts(logits, first, u, warp_args, markov=None):
     """The drafts (K,) from the block's logits (K, V) and their distributions q (K, V): warped by
     warp_args, the argmax at temperature 0, else inverse-CDF draws with the uniforms u (K, 1). With a
     Markov head, slot by slot, each row biased by the draft before it (slot 1: `first`, (1,) the newest
-    committed token). dflash.argmax_drafts / extras.dflash_reject.sampled_drafts, without host synchronisation."""
+    committed token). extras.markov_head.markov_drafts (dflash.argmax_drafts, extras.dflash_reject.sampled_drafts
+    without a head), without host synchronisation."""
     def pick(row, j):  # row (1, V) -> its draft (1,) and q (1, V)
         q = next_token_probs(row, *warp_args)
         return (q.argmax(-1) if warp_args[0] == 0 else inverse_cdf(q, u[j:j + 1])), q
@@ -112,18 +113,19 @@ def dflash_round(target, drafter, target_cache, draft_cache, idx, start, u_draft
 
 
 def eager_round(target, drafter, target_cache, draft_cache, seq, n_drafts, B, rule, warp_args, generator):
-    """dflash_generate's round, for the rounds at the context's end: (drafts, n, token, the verify's hidden)."""
-    propose, judge = RULES[rule]
+    """dflash_reject_generate's round, for the rounds at the context's end: (drafts, n, token, the verify's hidden)."""
+    propose = None
     if getattr(drafter, "markov", None) is not None:
         propose = partial(markov_drafts, sampled=rule == "reject")
+    draw, judge = rule_steps(rule, drafter, warp_args, generator, propose)
     device = target.embed.weight.device
     drafts, q = torch.empty(0, dtype=torch.long, device=device), None
     if n_drafts:
         logits = draft_block(drafter, draft_cache, seq[-1], block_size=B)[:n_drafts]  # (K, V)
-        drafts, q = propose(drafter, logits, seq[-1], warp_args, generator)
+        drafts, q = draw(logits, seq[-1])
     x = torch.cat([torch.tensor([seq[-1]], device=device), drafts])[None]  # (1, K+1)
     logits, hidden = target(x, cache=target_cache, causal=True, hidden_layers=drafter.config.taps)
-    n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q, generator, warp_args[0] == 0)
+    n, token = judge(next_token_probs(logits[0], *warp_args), drafts, q)
     return drafts.tolist(), n, token, hidden
 
 

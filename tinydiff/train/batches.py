@@ -11,9 +11,11 @@ import functools
 
 from tinydiff.checks import UserError
 from tinydiff.data import eval_windows, load_tokens, sample_windows
+from tinydiff.dflash import dflash_loss
 from tinydiff.dmoe import mdlm_moe_loss
+from tinydiff.eagle3 import eagle_loss
+from tinydiff.extras.markov_head import markov_loss
 from tinydiff.io.tokens import tokens_digest
-from tinydiff.train.drafter_losses import dflash_loss, eagle_loss, markov_loss
 from tinydiff.train.fused_loss import ar_loss, diffusion_loss
 from tinydiff.train.run_config import DRAFTERS
 from tinydiff.train.run_model import load_target

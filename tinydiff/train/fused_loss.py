@@ -11,7 +11,7 @@ Cross-Entropy goes further, with kernels that never write a chunk out). The rows
 in the forward, so this serves losses linear in their rows' cross-entropies, as both of these are.
 MDLM scores masked positions only: only their rows go through the head, about half its work.
 train.py trains with these (batches.OBJECTIVES); the tests hold them to the references in float64.
-Leaves out: block diffusion's loss, the drafters' (drafter_losses.checkpointed_chunks), Triton kernels.
+Leaves out: block diffusion's loss, the drafters' (dflash.checkpointed_chunks), Triton kernels.
 """
 import torch
 
