@@ -51,7 +51,7 @@ def uninterrupted(story_file, tmp_path, kind):
 
 def interrupt_at(monkeypatch, kind: str, call: int, action):
     """Run `action` inside the `call`-th training loss evaluation (1-based) of `kind`."""
-    loss_fn, extra = train.OBJECTIVES[kind]
+    loss_fn, extra = train.training_loss(kind)
     calls = {"n": 0}
 
     def wrapped(model, windows, generator):
@@ -60,7 +60,8 @@ def interrupt_at(monkeypatch, kind: str, call: int, action):
             if calls["n"] == call:
                 action()
         return loss_fn(model, windows, generator)
-    monkeypatch.setitem(train.OBJECTIVES, kind, (wrapped, extra))
+    real = train.training_loss
+    monkeypatch.setattr(train, "training_loss", lambda k: (wrapped, extra) if k == kind else real(k))
 
 
 def test_ctrl_c_then_resume_equals_uninterrupted(story_file, tmp_path, monkeypatch, capsys, kind, uninterrupted):
@@ -369,7 +370,7 @@ def test_distillation_trains_a_student_on_its_teachers_stories_and_resumes(story
                 raise SystemExit("killed")
             return loss_fn(model, batch, generator)
         return wrapped, draw, val
-    monkeypatch.setattr(distill, "distill_run", dies_in_step_3)  # batches.py calls distill.distill_run
+    monkeypatch.setattr(distill, "distill_run", dies_in_step_3)  # train.py calls distill.distill_run
     with pytest.raises(SystemExit):
         train.main([*student, "--out", str(tmp_path / "run")])
     assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 2

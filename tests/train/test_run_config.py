@@ -15,7 +15,7 @@ def test_every_setting_is_one_flag_unset_unless_given_and_every_kind_has_an_obje
     assert all(getattr(args, key) is None for key in SETTINGS) and given_settings(args) == {}
     args = train.parse_args(["--lr", "0.5", "--feature-layers", "1,3", "--model", "ar"])
     assert given_settings(args) == {"lr": 0.5, "feature_layers": [1, 3], "model": "ar"}
-    assert set(train.OBJECTIVES) == set(KINDS)
+    assert set(train.LOSSES) == set(KINDS)
 
 
 def test_a_new_run_is_the_defaults_with_the_flags_given():

@@ -1,5 +1,5 @@
 """The settings of a training run, declared once: train.py's flags, their defaults, the checks on
-them and the resume check all come from RunConfig's fields.
+them and the resume check all come from RunConfig's fields; a resumed run's data is checked too (same_data).
 
 A field is a setting that defines a run: it is saved in the checkpoint (`args`) and read back on
 --resume, where a flag that contradicts it is an error. Flags that only say how to run it (--out,
@@ -33,6 +33,7 @@ from tinydiff.fp4 import FORMATS
 from tinydiff.io.checkpoint import KINDS, load_checkpoint
 from tinydiff.io.cli import check_device, flag
 from tinydiff.io.files import check_run_folder
+from tinydiff.io.tokens import tokens_digest
 from tinydiff.model import PRESETS
 from tinydiff.sampler import REMASKING
 
@@ -255,6 +256,20 @@ def defaults(args, device: str) -> dict:
     if run["model"] in DRAFTERS and given:
         raise UserError(f"a {run['model']} drafter takes its dimensions from --target: drop {', '.join(given)}")
     return run
+
+
+def same_data(ckpt, token_paths, path) -> str:
+    """The sha256 of the run's token files; a resumed run's must be the one its checkpoint recorded."""
+    digest = tokens_digest(*token_paths)
+    if ckpt is not None:
+        stored = ckpt.get("data", {}).get("tokens")
+        if stored is None:
+            print(f"notice: {path} was written before runs recorded their data, so whether --data is the same "
+                  "cannot be checked")
+        elif stored != digest:
+            raise UserError(f"this data (tokens sha256 {digest[:12]}) is not the data the run in {path} started "
+                            f"with ({stored[:12]}); resume with the same --data, or start a new run with another --out")
+    return digest
 
 
 def resumed_settings(args, ckpt: dict, path) -> dict:
