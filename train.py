@@ -72,9 +72,8 @@ def training_loss(kind: str):
     name, extra = LOSSES[kind]
     module, _, function = name.rpartition(".")
     loss = getattr(importlib.import_module(f"tinydiff.{module}"), function)
-    # The AR and diffusion losses (and the MoEs' built on them) run faster, the head fused into the cross-entropy
-    # a chunk of rows at a time (train/fused_loss.py): the same loss, stats and gradients in float64
-    # (tests/train/test_fused_loss.py::test_train_pys_loss_is_the_cores_in_loss_stats_and_every_gradient).
+    # ar's and diffusion's losses (the MoEs' too, as their base) run faster, the head fused into the cross-entropy
+    # (train/fused_loss.py); tests/train/test_fused_loss.py holds them equal to these in float64.
     return fused_loss.faster(loss), extra
 
 
@@ -244,7 +243,8 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
         data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
         train_tokens, val_tokens = (load_tokens(path) for path in token_paths)
         loss_fn, extra = training_loss(run["model"])
-        # The research variants' losses and text (regeneration, soft labels, QAT, the Markov head), one hook each
+        # The research variants' losses and text (the Markov head, soft labels, QAT, regeneration): a hook each,
+        # applied in one step (train/batches.py)
         loss_fn, train_tokens, val_tokens = with_variants(run, model, loss_fn, train_tokens, val_tokens, out, device)
         if run["distill"]:  # a student learns from its teacher's stories, not windows: its hook gives the batches
             from tinydiff.extras import distill
