@@ -14,16 +14,17 @@ The settings a learner uses (the rest: `python train.py --help`):
     --device cpu | cuda  --dtype auto | fp32 | bf16 | fp16   where and in what precision
     --compile | --no-compile    torch.compile the step (default: on CUDA, off on a CPU)
 
-This file is the loop: batch, forward, loss, backward, clip, step, evaluate, sample, checkpoint.
-What it calls lives in tinydiff/train/: the settings, their checks and resume (run_config.py), the
-model of each kind (run_model.py), the losses and batches (batches.py), mixed precision
-(precision.py) and data-parallel ranks (distributed.py). A resumed run ends with the same weights as
-one never interrupted: batch i and its noise come from (seed, i) alone, and the checkpoint carries
-the optimizer, step, scaler and RNG states. Checkpoints go to OUT/ckpt.pt every --ckpt-every steps,
-at the end, and on Ctrl-C or SIGTERM.
+This file reads top-down: what each kind learns (LOSSES), the batch (get_batch), then the loop: batch,
+forward, loss, backward, clip, step, evaluate, sample, checkpoint. What it calls lives in tinydiff/train/:
+the settings, their checks and resume (run_config.py), the model of each kind (run_model.py), the
+research variants' hooks (batches.py), mixed precision (precision.py) and data-parallel ranks
+(distributed.py). A resumed run ends with the same weights as one never interrupted: batch i and its
+noise come from (seed, i) alone, and the checkpoint carries the optimizer, step, scaler and RNG states.
+Checkpoints go to OUT/ckpt.pt every --ckpt-every steps, at the end, and on Ctrl-C or SIGTERM.
 """
 import argparse
 import functools
+import importlib
 import math
 import os
 import re
@@ -36,20 +37,50 @@ import torch
 from tqdm import tqdm
 
 from tinydiff.checks import COUNT, UserError, brief_error
+from tinydiff.data import eval_windows, load_tokens, sample_windows
 from tinydiff.io import progress
 from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.io.cli import add_device, make_parser, run_main
 from tinydiff.io.files import StopOnSignal, claim_run_folder
 from tinydiff.io.tokens import prepare_tokens
 from tinydiff.tokenizer import Tokenizer
-from tinydiff.train.batches import OBJECTIVES, same_data, training_data  # noqa: F401 (OBJECTIVES: tests patch it here)
+from tinydiff.train import fused_loss
+from tinydiff.train.batches import with_variants
 from tinydiff.train.distributed import Ranks
 from tinydiff.train.precision import DTYPES, MixedPrecision, check_fits, choose_dtype
-from tinydiff.train.run_config import add_flags, check_new, run_settings
+from tinydiff.train.run_config import add_flags, check_new, run_settings, same_data
 from tinydiff.train.run_model import build_model, describe, sample_story
 
 INTERRUPTED = ("before training started; what was finished (token caches, the target's or teacher's stories, "
                "the last checkpoint) is kept: run the same command again")
+
+# What each kind of model learns: the core function that defines its loss, loss(model, windows, generator) ->
+# (loss, stats), and the tokens a window holds beyond the context (an AR window also holds the token after its
+# last position, which that position predicts). A kind's module is imported when that kind trains.
+LOSSES = {
+    "ar": ("ar.ar_loss", 1),                          # next-token cross-entropy
+    "mdlm": ("diffusion.diffusion_loss", 0),          # the ELBO: mdlm_loss (block_diffusion_loss: --noise-block)
+    "mdlm-moe": ("dmoe.mdlm_moe_loss", 0),            # the diffusion loss + the experts' balance term
+    "ar-moe": ("extras.ar_moe.ar_moe_loss", 1),       # the next-token loss + the experts' balance term
+    "dflash": ("dflash.dflash_loss", 0),              # the block drafter's weighted block cross-entropy
+    "eagle3": ("eagle3.eagle_loss", 0),               # the training-time test: the head unrolled K steps
+}
+
+
+def training_loss(kind: str):
+    """(the loss `kind` trains with, the tokens a window holds beyond the context)."""
+    name, extra = LOSSES[kind]
+    module, _, function = name.rpartition(".")
+    loss = getattr(importlib.import_module(f"tinydiff.{module}"), function)
+    # ar's and diffusion's losses (the MoEs' too, as their base) run faster, the head fused into the cross-entropy
+    # (train/fused_loss.py); tests/train/test_fused_loss.py holds them equal to these in float64.
+    return fused_loss.faster(loss), extra
+
+
+def get_batch(tokens, step: int, run: dict, window: int, device: str):
+    """Batch `step` of the run (B, window): B windows of `window` tokens at random starts, drawn from (seed, step)
+    alone, so a resumed run draws the batches it would have drawn (nanoGPT's get_batch)."""
+    return sample_windows(tokens, run["batch_size"], window, run["seed"], step).to(device)
 
 
 def parse_args(argv=None):
@@ -172,16 +203,20 @@ def restore(optimizer, precision, ckpt, out) -> int:
 
 
 def main(argv=None):
-    args, ranks = parse_args(argv), Ranks()
+    args = parse_args(argv)
+    ranks = Ranks()
     run, out, ckpt = run_settings(args)  # a new run's from the flags, a resumed run's from its checkpoint
     ranks.check(run)
     stored = (ckpt or {}).get("precision", {}).get("dtype")  # a resumed run keeps its precision
     precision = MixedPrecision(choose_dtype(args.dtype or stored or "auto", args.device), args.device)
     device = ranks.start(args.device)
     quiet = not ranks.main  # rank 0 alone prints, draws bars and writes
-    with open(os.devnull, "w") if quiet else nullcontext(sys.stdout) as stdout, \
-            progress.routed_to(functools.partial(tqdm, disable=True)) if quiet else nullcontext():
-        sys.stdout, before, finished = stdout, sys.stdout, False
+    printed = open(os.devnull, "w") if quiet else nullcontext(sys.stdout)
+    bars = progress.routed_to(functools.partial(tqdm, disable=True)) if quiet else nullcontext()
+    with printed as stdout, bars:
+        before = sys.stdout
+        sys.stdout = stdout
+        finished = False
         try:
             train(args, ranks, run, out, ckpt, precision, device)
             finished = True
@@ -206,10 +241,21 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
         with ranks.first():  # rank 0 tokenises; the others then read its cache
             token_paths = prepare_tokens(run["data"], args.cache_dir)
         data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
-        loss_fn, draw, val_windows = training_data(run, model, out, token_paths, device)
+        train_tokens, val_tokens = (load_tokens(path) for path in token_paths)
+        loss_fn, extra = training_loss(run["model"])
+        # The research variants' losses and text (the Markov head, soft labels, QAT, regeneration): a hook each,
+        # applied in one step (train/batches.py)
+        loss_fn, train_tokens, val_tokens = with_variants(run, model, loss_fn, train_tokens, val_tokens, out, device)
+        if run["distill"]:  # a student learns from its teacher's stories, not windows: its hook gives the batches
+            from tinydiff.extras import distill
+            loss_fn, draw, val_batch = distill.distill_run(run, out, train_tokens, val_tokens, device, loss_fn)
+        else:
+            window = model.config.context + extra
+            draw = functools.partial(get_batch, train_tokens, run=run, window=window, device=device)
+            val_batch = eval_windows(val_tokens, run["eval_batches"] * run["batch_size"], window).to(device)
         optimizer = make_optimizer(model, run)
         step = restore(optimizer, precision, ckpt, out)
-        loop(run, model, optimizer, precision, loss_fn, draw, val_windows, step, out, args.ckpt_every, device,
+        loop(run, model, optimizer, precision, loss_fn, draw, val_batch, step, out, args.ckpt_every, device,
              data_id, ranks, compiled)
 
 
@@ -221,11 +267,12 @@ def out_of_memory(run: dict, device: str, out, saved) -> str:
     return f"out of memory on {device} at --batch-size {B}: {fix} ({kept})"
 
 
-def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, step: int, out, ckpt_every: int,
+def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_batch, step: int, out, ckpt_every: int,
          device: str, data_id: str, ranks: Ranks, compiled: bool = False):
-    """Steps from `step` to max_steps: validation and a sample every eval_every, a checkpoint every
-    ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
-    tokenizer, parameters = Tokenizer(), [p for p in model.parameters()]
+    """Steps from `step` to max_steps, each on batch draw(step): validation and a sample every eval_every, a
+    checkpoint every ckpt_every, at the end and on Ctrl-C / SIGTERM (then it returns, saved)."""
+    tokenizer = Tokenizer()
+    parameters = [p for p in model.parameters()]
     saved = step if step else None  # the step OUT/ckpt.pt holds
 
     def save():
@@ -270,7 +317,7 @@ def loop(run: dict, model, optimizer, precision, loss_fn, draw, val_windows, ste
             bar.set_postfix_str(f"loss {loss.item():.3f} | lr {lr:.2e} | tok/s {tok_s:,.0f}{skipped}")
             if ranks.main and (step % run["eval_every"] == 0 or step == run["max_steps"]):
                 with torch.compiler.set_stance("force_eager") if compiled else nullcontext():  # not worth graphs
-                    stats = evaluate(model, loss_fn, val_windows, run["batch_size"], precision.autocast)
+                    stats = evaluate(model, loss_fn, val_batch, run["batch_size"], precision.autocast)
                     story = sample_story(model, run["model"], tokenizer, run["seed"])
                 bar.write(f"step {step} | " + " | ".join(f"val {k} {v:.4f}" for k, v in stats.items())
                           + f" | lr {lr:.2e} | tok/s {tok_s:,.0f}")

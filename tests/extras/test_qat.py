@@ -120,7 +120,7 @@ def test_train_qat_matches_its_target_resumes_and_refuses_what_does_not_use_a_ta
                 raise SystemExit("killed")
             return loss_fn(model, windows, generator)
         return wrapped
-    monkeypatch.setattr(qat, "matching_loss", killed_at_step_3)  # batches.py calls qat.matching_loss
+    monkeypatch.setattr(qat, "matching_loss", killed_at_step_3)  # its train_hook calls qat.matching_loss
     with pytest.raises(SystemExit):
         train.main(argv(story_file, tmp_path / "cut", *matched, kind="ar-moe"))
     monkeypatch.undo()

@@ -1,7 +1,7 @@
 """Spec: train.py's AR and MDLM losses (tinydiff/train/fused_loss.py: the head fused with the cross-entropy, a
 chunk of rows at a time, MDLM's head on its masked rows only) are the core's losses: the same loss, stats
 and gradient of every parameter (none to the padding rows, whatever they hold), in float64 (float64
-rounding only, stats_helpers.EXACT), for every kind train.py trains with them (OBJECTIVES), with chunks
+rounding only, stats_helpers.EXACT), for every kind train.py trains with them (train.training_loss), with chunks
 that do not divide the rows; the same values without gradients (evaluation); and under bf16 autocast as
 close to float32's as the core's. Their memory is test_memory.py's.
 """
@@ -9,13 +9,13 @@ import pytest
 import torch
 from stats_helpers import EXACT, assert_same, float64, random_model
 
+import train
 from tinydiff.ar import ar_loss
 from tinydiff.diffusion import diffusion_loss
 from tinydiff.dmoe import MoETransformer, mdlm_moe_loss, moe_config
 from tinydiff.extras.ar_moe import ar_moe_config, ar_moe_loss
 from tinydiff.model import ModelConfig
 from tinydiff.train import fused_loss
-from tinydiff.train.batches import OBJECTIVES
 
 SMALL = dict(context=32, n_layer=2, n_head=2, d_model=32, d_ff=64)
 MODELS = {  # kind -> (model, the core's loss)
@@ -48,7 +48,7 @@ def test_train_pys_loss_is_the_cores_in_loss_stats_and_every_gradient(kind, monk
     monkeypatch.setattr(fused_loss, "ROWS", 7)  # several chunks, the last one short
     windows = torch.randint(0, 50257, (5, 32 + kind.startswith("ar")), generator=torch.Generator().manual_seed(0))
     theirs_loss, theirs_stats, theirs_grads = run(reference, model, windows)
-    ours_loss, ours_stats, ours_grads = run(OBJECTIVES[kind.split()[0]][0], model, windows)
+    ours_loss, ours_stats, ours_grads = run(train.training_loss(kind.split()[0])[0], model, windows)
     assert_same(ours_loss, theirs_loss)
     assert ours_stats.keys() == theirs_stats.keys()
     for key in ours_stats:
@@ -56,7 +56,7 @@ def test_train_pys_loss_is_the_cores_in_loss_stats_and_every_gradient(kind, monk
     for ours, theirs in zip(ours_grads, theirs_grads, strict=True):
         assert_same(ours, theirs)
     # evaluation (no gradients) reads the same numbers and forms no gradient
-    eval_loss, eval_stats, grads = run(OBJECTIVES[kind.split()[0]][0], model, windows, grad=False)
+    eval_loss, eval_stats, grads = run(train.training_loss(kind.split()[0])[0], model, windows, grad=False)
     assert_same(eval_loss, theirs_loss) and all(g is None for g in grads)
     assert all(abs(float(eval_stats[k] - theirs_stats[k])) <= EXACT * abs(float(theirs_stats[k])) for k in eval_stats)
 
@@ -72,7 +72,7 @@ def test_under_bf16_autocast_it_is_as_close_to_float32_as_the_cores_loss(kind, m
     _, _, exact = run(reference, model, windows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         theirs_loss, _, theirs_grads = run(reference, model, windows)
-        ours_loss, _, ours_grads = run(OBJECTIVES[kind][0], model, windows)
+        ours_loss, _, ours_grads = run(train.training_loss(kind)[0], model, windows)
     assert abs(float(ours_loss - theirs_loss)) <= 1e-5 * float(theirs_loss)
 
     def error(grads):

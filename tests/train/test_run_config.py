@@ -15,7 +15,17 @@ def test_every_setting_is_one_flag_unset_unless_given_and_every_kind_has_an_obje
     assert all(getattr(args, key) is None for key in SETTINGS) and given_settings(args) == {}
     args = train.parse_args(["--lr", "0.5", "--feature-layers", "1,3", "--model", "ar"])
     assert given_settings(args) == {"lr": 0.5, "feature_layers": [1, 3], "model": "ar"}
-    assert set(train.OBJECTIVES) == set(KINDS)
+    assert set(train.LOSSES) == set(KINDS)
+
+
+def test_the_flag_vocabularies_written_here_are_the_methods_own():
+    """run_config.py writes the vocabularies of the MoE, FP4, the samplers and distillation, so that an AR run
+    imports none of them (test_train.py's test of what a run loads): each must be its method's own."""
+    from tinydiff import dmoe, fp4, sampler
+    from tinydiff.extras import distill
+    from tinydiff.train import run_config
+    assert run_config.EXPERTS == dmoe.EXPERTS and run_config.FP4_FORMATS == fp4.FORMATS
+    assert run_config.REMASKING == sampler.REMASKING and run_config.DISTILL_LOSSES == distill.LOSSES
 
 
 def test_a_new_run_is_the_defaults_with_the_flags_given():

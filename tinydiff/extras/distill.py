@@ -128,8 +128,9 @@ def write_trajectories(teacher, tokens, config: DistillConfig, seed: int, desc="
     1 + max_opening + G * N. Stories from `tokens`' openings, one generator seeded from `seed`."""
     N, G = config.block_length, blocks_per_story(teacher.config.context, config)
     S = 1 + config.max_opening + G * N
-    openings = story_openings(tokens, config.stories, config.max_opening, seed) if config.max_opening else \
-        [[] for _ in range(config.stories)]
+    openings = [[] for _ in range(config.stories)]
+    if config.max_opening:
+        openings = story_openings(tokens, config.stories, config.max_opening, seed)
     lengths = np.random.default_rng(seed).integers(0, config.max_opening + 1, config.stories)
     generator = torch.Generator(teacher.embed.weight.device).manual_seed(seed)
     out = np.full((config.stories, 2, S), PAD, dtype=np.int32)
@@ -327,7 +328,7 @@ FLAGS = {"stories": "distill_stories", "certainty_weight": "certainty_weight", "
 
 
 def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objective=None):
-    """What train.py needs for a --distill run: (loss, draw(step) -> batch, validation batch). The
+    """train.py's hook for a --distill run: (loss, draw(step) -> batch, validation batch). The
     teacher's trajectories are written once into the run folder (from the validation split's
     openings for validation), so a resumed run trains on the same stories. `objective` is the
     student kind's own loss, for the anchor."""
@@ -344,8 +345,9 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
           f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, "
           f"certainty weight {config.certainty_weight:g}"
           + (f", anchor weight {config.anchor_weight:g}" if config.anchor_weight else ""))
-    anchor = corpus_anchor(objective, train_tokens, run["batch_size"], teacher.config.context, run["seed"]) \
-        if config.anchor_weight else None
+    anchor = None
+    if config.anchor_weight:
+        anchor = corpus_anchor(objective, train_tokens, run["batch_size"], teacher.config.context, run["seed"])
 
     def draw(step: int):
         return sample_rows(train, run["batch_size"], run["seed"], step).to(device)

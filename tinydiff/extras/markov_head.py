@@ -86,6 +86,12 @@ def markov_loss(drafter: DFlashDrafter, windows, generator=None, temperature: fl
     return block_loss(drafter, windows, anchors, logits, target_logits, temperature)
 
 
+def train_hook(run: dict, model, target, loss_fn, train_tokens, val_tokens, out):
+    """train.py's way in (train/batches.py): a drafter built with the head (--markov-rank) trains on
+    markov_loss, the same windows."""
+    return markov_loss, train_tokens, val_tokens
+
+
 def draft_left_to_right(head: MarkovHead, logits, first_token: int, pick):
     """Drafts (K,) and the biased logits (K, V) of the block's logits (K, V): slot k's row gets the
     bias of the token `pick` chose at slot k-1 (slot 1: first_token, the newest committed one).

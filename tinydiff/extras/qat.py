@@ -58,3 +58,9 @@ def matching_loss(target):
     distribution q against the frozen full-precision `target`'s p at temperature 1 (the model's own
     distribution, unwarped), on the same windows (B, T+1), plus the balance term; (loss, stats)."""
     return partial(ar_moe_loss, base=partial(soft_ar_loss, target=target, temperature=1.0))
+
+
+def train_hook(run: dict, model, target, loss_fn, train_tokens, val_tokens, out):
+    """train.py's hook for an ar-moe --qat run with --target (train/batches.py): the loss becomes
+    matching_loss(target), the full-precision model's distribution the labels; the text is kept."""
+    return matching_loss(target), train_tokens, val_tokens

@@ -16,6 +16,7 @@ A draft trained for sampling (train.py --draft-temperature T) learns from contin
 at T instead: text from the target's distribution there, not its mode.
 A diffusion target writes for an AR draft that will draft for it (drafted_diffusion.py): its
 left-to-right one-token-per-step sampler, the process that draft is verified against.
+train.py's hook (`train_hook`, train/batches.py) replaces a run's text with these stories.
 Leaves out: continuations at several temperatures in one run, mixing regenerated and real text.
 """
 import os
@@ -177,3 +178,19 @@ def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings
     text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings, desc=desc)
     write_atomic(path, text.tofile)
     return text
+
+
+def train_hook(run: dict, model, target, loss_fn, train_tokens, val_tokens, out):
+    """train.py's hook for --regenerate N (train/batches.py): the run learns from `target`'s own text, N stories
+    from the training split's openings (their loops cut) and validation_stories(N) from the validation split's,
+    each written once into the run folder `out` (a resumed run reads them back). At --draft-temperature T the
+    stories are sampled at T, else greedy. The loss is kept. Returns (loss_fn, train_tokens, val_tokens)."""
+    temperature = run["draft_temperature"] or 0.0
+    train_file, val_file = (out / name for name in FILES)
+    text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
+                              run["openings"] == "target", temperature, "target writes training stories")
+    trimmed = trim_loops(text)
+    print(f"regenerated text: {len(text):,} tokens, {len(trimmed):,} with its loops cut")
+    val_text = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"],
+                                  temperature=temperature, desc="target writes validation stories")
+    return loss_fn, trimmed, val_text

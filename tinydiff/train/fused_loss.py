@@ -10,11 +10,16 @@ at a time and none is computed twice (Liger-Kernel's fused linear cross-entropy;
 Cross-Entropy goes further, with kernels that never write a chunk out). The rows' weights must be known
 in the forward, so this serves losses linear in their rows' cross-entropies, as both of these are.
 MDLM scores masked positions only: only their rows go through the head, about half its work.
-train.py trains with these (batches.OBJECTIVES); the tests hold them to the references in float64.
+train.py trains with these (`faster` swaps them in for the core's); tests/train/test_fused_loss.py holds
+them to the references in float64: the same loss, stats and gradient of every parameter.
 Leaves out: block diffusion's loss, the drafters' (dflash.checkpointed_chunks), Triton kernels.
 """
+import functools
+import inspect
+
 import torch
 
+from tinydiff import ar, diffusion
 from tinydiff.diffusion import block_diffusion_loss, noise, sample_t, scored_tokens
 from tinydiff.model import wide
 from tinydiff.tokenizer import MASK
@@ -117,3 +122,13 @@ def diffusion_loss(model, x, generator=None):
     """diffusion.diffusion_loss with mdlm_loss above; block diffusion's is the reference's."""
     block = model.config.noise_block
     return block_diffusion_loss(model, x, block, generator) if block else mdlm_loss(model, x, generator)
+
+
+def faster(loss):
+    """The loss train.py runs for the core's `loss`: ar.ar_loss and diffusion.diffusion_loss computed here; a
+    loss built on one of them through its `base` (the MoEs': base + the balance term) given this file's form of
+    it; any other loss as it is."""
+    base = inspect.signature(loss).parameters.get("base")
+    if base is not None:
+        return functools.partial(loss, base=faster(base.default))
+    return {ar.ar_loss: ar_loss, diffusion.diffusion_loss: diffusion_loss}.get(loss, loss)

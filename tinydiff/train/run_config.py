@@ -1,5 +1,5 @@
 """The settings of a training run, declared once: train.py's flags, their defaults, the checks on
-them and the resume check all come from RunConfig's fields.
+them and the resume check all come from RunConfig's fields; a resumed run's data is checked too (same_data).
 
 A field is a setting that defines a run: it is saved in the checkpoint (`args`) and read back on
 --resume, where a flag that contradicts it is an error. Flags that only say how to run it (--out,
@@ -27,14 +27,11 @@ from tinydiff.checks import (
     UserError,
     number_list,
 )
-from tinydiff.dmoe import EXPERTS
-from tinydiff.extras.distill import LOSSES
-from tinydiff.fp4 import FORMATS
 from tinydiff.io.checkpoint import KINDS, load_checkpoint
 from tinydiff.io.cli import check_device, flag
 from tinydiff.io.files import check_run_folder
+from tinydiff.io.tokens import tokens_digest
 from tinydiff.model import PRESETS
-from tinydiff.sampler import REMASKING
 
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
 DISTILL_TUNING = ("distill_stories", "certainty_weight", "distill_loss", "teacher_temperature", "teacher_order",
@@ -49,6 +46,14 @@ GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate
 # about an hour on a free T4 in fp16, about one pass over TinyStories: an estimate until someone runs it
 # (docs/LOG.md, "Sizing the free-GPU run"). Every other run, a CPU's included: 5,000 steps of 32 windows.
 RUN_LENGTH = {"13m": {"max_steps": 30000, "batch_size": 64}, None: {"max_steps": 5000, "batch_size": 32}}
+
+# The vocabularies of methods a run may not use, written here so that a run imports a method only when it runs
+# it (an AR run loads neither the MoE nor FP4 nor distillation); tests/train/test_run_config.py holds each
+# equal to its method's own.
+EXPERTS = Rule(integer=True, lo=1, hi=4096)  # dmoe.EXPERTS
+FP4_FORMATS = ("mxfp4", "nvfp4")  # fp4.FORMATS
+REMASKING = ("low_confidence", "random", "low_entropy", "left_to_right", "top_margin")  # sampler.REMASKING
+DISTILL_LOSSES = ("certainty", "tad")  # extras/distill.LOSSES
 
 CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
 MIN_RATE = Rule(lo=0, hi=10)
@@ -124,7 +129,7 @@ class RunConfig:
                                         "low_confidence, its standard schedule; random: MDLM's own sampler)",
                                         "distill", choices=REMASKING)
     distill_loss: str | None = setting(None, "certainty (dParallel, default) or tad (far positions learn the "
-                                       "teacher's distribution)", "distill", choices=LOSSES)
+                                       "teacher's distribution)", "distill", choices=DISTILL_LOSSES)
     anchor_weight: float | None = setting(None, "add this times the model's own loss on corpus windows to each "
                                           "step, to keep the student a model of the corpus (default 0: none)",
                                           "distill", type=WEIGHT)
@@ -135,7 +140,7 @@ class RunConfig:
     route_guard: int = setting(4, "block routing: at least this many experts", "moe", type=EXPERTS)
     qat: str | None = setting(None, "fine-tune with the experts fake-quantized in this FP4 format (straight-"
                               "through gradient; python -m tinydiff.tools.quantize then packs them), e.g. with --init "
-                              "a full-precision checkpoint", "moe", choices=FORMATS)
+                              "a full-precision checkpoint", "moe", choices=FP4_FORMATS)
     route_mask_vote: float = setting(1.0, "block routing: a MASK token's vote in its block's coreset, against a "
                                      "committed token's 1 (1 is the paper's rule)", "moe", type=POSITIVE)
 
@@ -255,6 +260,20 @@ def defaults(args, device: str) -> dict:
     if run["model"] in DRAFTERS and given:
         raise UserError(f"a {run['model']} drafter takes its dimensions from --target: drop {', '.join(given)}")
     return run
+
+
+def same_data(ckpt, token_paths, path) -> str:
+    """The sha256 of the run's token files; a resumed run's must be the one its checkpoint recorded."""
+    digest = tokens_digest(*token_paths)
+    if ckpt is not None:
+        stored = ckpt.get("data", {}).get("tokens")
+        if stored is None:
+            print(f"notice: {path} was written before runs recorded their data, so whether --data is the same "
+                  "cannot be checked")
+        elif stored != digest:
+            raise UserError(f"this data (tokens sha256 {digest[:12]}) is not the data the run in {path} started "
+                            f"with ({stored[:12]}); resume with the same --data, or start a new run with another --out")
+    return digest
 
 
 def resumed_settings(args, ckpt: dict, path) -> dict:

@@ -9,9 +9,6 @@ from dataclasses import replace
 import torch
 
 from tinydiff.checks import UserError
-from tinydiff.dflash import DFlashConfig, DFlashDrafter
-from tinydiff.dmoe import MoETransformer, moe_config, set_routing
-from tinydiff.eagle3 import EagleConfig, EagleHead
 from tinydiff.io.checkpoint import (
     AR_KINDS,
     DIFFUSION_KINDS,
@@ -62,8 +59,8 @@ def check_init_shape(run: dict, config, wanted: dict):
 
 def check_flags_fit(run: dict):
     """Each model-specific flag is given only to the model it applies to, never silently ignored."""
-    if (run["feature_layers"] or run["drafter_layers"] is not None or run["markov_rank"] is not None) \
-            and run["model"] != "dflash":
+    dflash_flags = run["feature_layers"] or run["drafter_layers"] is not None or run["markov_rank"] is not None
+    if dflash_flags and run["model"] != "dflash":
         raise UserError("--feature-layers, --drafter-layers and --markov-rank apply to --model dflash only "
                         "(EAGLE-3: one layer fusing 3 fixed target layers)")
     if run["noise_block"] is not None and not run["model"].startswith("mdlm"):
@@ -83,6 +80,9 @@ def check_flags_fit(run: dict):
                         "ar-moe (and --init its full-precision checkpoint)")
     if run["distill"] and run["model"] not in DIFFUSION_KINDS:
         raise UserError(f"--distill trains a diffusion LM student; --model {run['model']} is not one")
+    if run["regenerate"] is not None and run["model"] not in (*DRAFTERS, "ar"):
+        raise UserError("--regenerate trains a draft on its target's text: use --model dflash, eagle3 or ar "
+                        "with --target")
 
 
 def uses_target(run: dict) -> bool:
@@ -116,6 +116,7 @@ def build_drafter(run: dict, device: str, ckpt=None, path=None):
         ckpt, path = init_checkpoint(run), run["init"]
     target = load_target(run, device)
     if run["model"] == "dflash":
+        from tinydiff.dflash import DFlashConfig, DFlashDrafter
         given = {"feature_layers": run["feature_layers"], "n_layer": run["drafter_layers"],
                  "markov_rank": run["markov_rank"]}
         overrides = {key: value for key, value in given.items() if value is not None}
@@ -134,6 +135,7 @@ def build_drafter(run: dict, device: str, ckpt=None, path=None):
             drafter = drafter_from(ckpt, target, path)
         wanted = {"block_size": run["block_size"], **overrides}
     else:
+        from tinydiff.eagle3 import EagleConfig, EagleHead
         if ckpt is None:
             return EagleHead(EagleConfig.for_target(target.config, steps_ahead=run["steps_ahead"]), target).to(device)
         drafter, wanted = head_from(ckpt, target, path), {"steps_ahead": run["steps_ahead"]}
@@ -162,6 +164,7 @@ def new_language_model(run: dict, device: str):
             model.config = replace(model.config, causal=False, shift=True)
         return model
     if run["model"] in MOE_KINDS:  # ar-moe: dmoe.py's model with causal attention (extras/ar_moe.py)
+        from tinydiff.dmoe import MoETransformer, moe_config
         config = moe_config(run["preset"], **overrides, **moe_shape, causal=run["model"] == "ar-moe")
         return MoETransformer(config).to(device)
     return Transformer(preset(run["preset"], causal=run["model"] == "ar", **overrides)).to(device)
@@ -186,6 +189,7 @@ def early_exit_draft(run: dict, device: str):
 def with_run_options(model, run: dict):
     """The run's expert routing (mdlm-moe, ar-moe) and its noise blocks (None keeps --init's objective)."""
     if run["model"] in MOE_KINDS:
+        from tinydiff.dmoe import set_routing
         set_routing(model, run["routing"], threshold=run["route_threshold"], guard=run["route_guard"],
                     mask_vote=run["route_mask_vote"])
     if run["noise_block"] is not None:
@@ -205,9 +209,13 @@ def describe(model, run: dict):
         print(f"model: {run['model']} drafter ({shape}, features {config.feature_layers}) for {run['target']} | "
               f"params {sum(p.numel() for p in model.parameters()):,} (the target's embedding and head are borrowed)")
     else:
-        name = f"student of {run['distill']}" if run["distill"] else f"from {run['init']}" if run["init"] \
-            else f"from the first {run['target_layers']} layers of {run['target']}" if run["target_layers"] \
-            else run["preset"]
+        name = run["preset"]
+        if run["distill"]:
+            name = f"student of {run['distill']}"
+        elif run["init"]:
+            name = f"from {run['init']}"
+        elif run["target_layers"]:
+            name = f"from the first {run['target_layers']} layers of {run['target']}"
         print(f"model: {run['model']} {name} | params {model.num_params():,} "
               f"({model.num_params(embedding=False):,} without the embedding) | context {config.context}")
 
