@@ -240,22 +240,27 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
 
 
-def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int, at=None):
+def prefix_block_mask(start: int, lo: int, prompt_length: int, block_length: int, device=None):
+    """(n, start + n) bool for the positions start..lo+block_length over a cache of `start` rows: every
+    cached row, then block-causal among the n new ones (the prompt is one block)."""
+    position = torch.arange(start, lo + block_length, device=device)
+    block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
+    cached = torch.ones(len(block_ids), start, dtype=torch.bool, device=device)
+    return torch.cat([cached, block_causal_mask(block_ids)], 1)
+
+
+def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int):
     """Logits (S, N, V) that predict the block canvases[:, lo:lo+N] (S canvases (S, L) that agree
     before lo; `cache` holds S rows): one forward of the finished positions the cache lacks, then
     the block, block-causal against the cached prefix. The cache then keeps the rows of the finished
-    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one).
-    at: only the logits that predict block position `at` (an int, or (S,) one per canvas), (S, 1, V)."""
-    shift, start = int(model.config.shift), cache.length  # finished positions not yet cached, then the block
-    position = torch.arange(start, lo + block_length, device=canvases.device)
-    block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
-    mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=canvases.device),
-                      block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
+    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one)."""
+    shift = int(model.config.shift)
+    start = cache.length  # finished positions not yet cached, then the block
+    mask = prefix_block_mask(start, lo, prompt_length, block_length, canvases.device)  # (n, start + n)
     first = lo - shift - start  # the output that predicts position lo
-    one = {} if at is None else {"head_at": first + at}  # only then: a compiled step (compiled.py) takes no head_at
-    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache, **one)  # (S, n or 1, V)
+    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache)  # (S, n, V)
     cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
-    return logits if at is not None else logits[:, first:first + block_length]
+    return logits[:, first:first + block_length]
 
 
 @torch.no_grad()
