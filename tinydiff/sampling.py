@@ -14,15 +14,6 @@ from tinydiff.model import wide
 from tinydiff.tokenizer import MASK
 
 
-def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
-    if not 0 <= temperature < float("inf"):  # NaN fails too: it would turn every probability into NaN
-        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise UserError(f"top-p must lie in (0, 1] (or be unset), got {top_p}")
-
-
 def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
     """Probabilities (..., V) in float32 from logits (..., V) (float64 logits: in float64)."""
     check_warp_args(temperature, top_k, top_p)
@@ -43,15 +34,19 @@ def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: floa
     return probs
 
 
-def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """Warped next-token probabilities (..., V) of a language model: MASK is never generated.
-
-    Only the diffusion models use MASK, as an input; tiny test models may not have the id at all.
-    """
+def forbid_mask(logits, inplace: bool = False):
+    """logits (..., V) with MASK's logit at -inf, so no method samples, drafts or predicts it (only the
+    diffusion models read MASK, as an input; tiny test models may not have the id at all). A copy, or
+    in place when the caller owns the logits (training's (B, T, V) logits: a copy costs time)."""
     if logits.shape[-1] > MASK:
-        logits = logits.clone()
+        logits = logits if inplace else logits.clone()
         logits[..., MASK] = float("-inf")
-    return warp(logits, temperature, top_k, top_p)
+    return logits
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Warped next-token probabilities (..., V) of a language model: MASK is never generated."""
+    return warp(forbid_mask(logits), temperature, top_k, top_p)
 
 
 def sample(probs, generator: torch.Generator | None = None):
@@ -92,17 +87,15 @@ def residual(p, q):
 def draftable(logits):
     """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted, as
     next_token_probs never generates it."""
-    logits = logits.to(wide(logits.dtype))
-    if logits.shape[-1] > MASK:
-        logits = logits.clone()
-        logits[..., MASK] = float("-inf")
-    return logits
+    return forbid_mask(logits.to(wide(logits.dtype)))
+
 
 def without_mask(x):
     """x (..., V) without the MASK column, which is never a label (p = 0) and never drafted."""
     if x.shape[-1] <= MASK:
         return x
     return x[..., :MASK] if x.shape[-1] == MASK + 1 else torch.cat([x[..., :MASK], x[..., MASK + 1:]], -1)
+
 
 def soft_ce(logits, p):
     """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in
@@ -111,7 +104,17 @@ def soft_ce(logits, p):
     z, p = without_mask(logits.to(wide(logits.dtype))), without_mask(p)
     return torch.logsumexp(z, -1) - (p * z).sum(-1)
 
+
 def tempered_ce(logits, target_logits, temperature: float):
     """H(p_T, q_T) per position (...): p_T the target's distribution as the sampler warps it at
     `temperature` (> 0), q_T the draft's logits read at the same temperature."""
     return soft_ce(logits / temperature, next_token_probs(target_logits, temperature))
+
+
+def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
+    if not 0 <= temperature < float("inf"):  # NaN fails too: it would turn every probability into NaN
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top-p must lie in (0, 1] (or be unset), got {top_p}")
