@@ -156,8 +156,8 @@ def check_format(fmt: str, block_size: int, widths: dict):
     """Before any work: a known format, and a block size that divides every input width (name -> size)."""
     if fmt not in FORMATS:
         raise UserError(f"unknown FP4 format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= 4096 \
-            or block_size % 2:
+    is_int = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not is_int or not 2 <= block_size <= 4096 or block_size % 2:
         raise UserError(f"the FP4 block size must be an even number from 2 to 4096 (the {fmt} standard: "
                         f"{STANDARD_BLOCK[fmt]}), got {block_size!r}")
     for name, width in widths.items():
@@ -323,12 +323,16 @@ class QuantizedMoEFeedForward(MoEFeedForward):
 
 class QuantizedMoETransformer(MoETransformer):
     """MoETransformer whose MoE layers hold their experts packed (config.expert_format mxfp4 / nvfp4)."""
-    feed_forward = QuantizedMoEFeedForward
 
-    def __init__(self, config: MoEConfig):  # the blocks run along d_model (gate, up) and expert_d_ff (down)
-        check_format(config.expert_format, config.expert_block, {"d_model": config.d_model,
-                                                                 "expert_d_ff": config.expert_d_ff})
-        super().__init__(config)
+    def __init__(self, config: MoEConfig):
+        widths = {"d_model": config.d_model, "expert_d_ff": config.expert_d_ff}  # gate and up's inputs, down's
+        check_format(config.expert_format, config.expert_block, widths)
+        super().__init__(replace(config, expert_format="float"))  # attention, routers, norms: the float model's
+        self.config = config
+        for block in self.blocks:
+            packed = QuantizedMoEFeedForward(config)  # zeros until stored or loaded
+            packed.router = block.ffn.router  # initialised as the float model's
+            block.ffn = packed
 
 
 def moe_model(config: MoEConfig) -> MoETransformer:
