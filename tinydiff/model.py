@@ -215,11 +215,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)  # (B, H, T, D/H)
         if cache is not None:
             k, v = cache.write(layer, rows, k, v)  # (B, H, C, D/H): every row; the mask shows the valid ones
-        if mask is not None and kernels.for_inference(q):  # skips key tiles the mask hides; no backward
-            from tinydiff.kernels.masked_attention import masked_attention  # lazily: see kernels/__init__.py
-            y = masked_attention(q, k, v, mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = kernels.attention(q, k, v, mask, is_causal)  # (B, H, T, D/H): torch's, or the masked flash kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 
 

@@ -62,17 +62,9 @@ def propose(logits, temperature: float, remasking: str, generator=None):
     argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, computed as
     argmax(softmax(logits / T) / -log u): one logarithm per id instead of two, and at T = 1 the
     softmax is the confidence's too. Noise and probabilities in float64: float32 Gumbel noise has
-    visible ties.
-    Where Triton runs (and no gradients), low_confidence is one fused pass over the vocabulary
-    (tinydiff/kernels/sampler_step.py) on the same uniforms: the same tokens, and the (N, V)
-    float64 logits, scores and probabilities are never written.
+    visible ties. (Where Triton runs, the samplers take kernels.fused_propose for low_confidence:
+    one pass over the vocabulary on the same uniforms, so the same tokens; see kernels.proposal.)
     """
-    if remasking == "low_confidence" and kernels.for_inference(logits):
-        from tinydiff.kernels.sampler_step import sampler_step  # lazily: see kernels/__init__.py
-        u = None  # the uniforms drawn below: same generator, shape and dtype, so the same tokens
-        if temperature > 0:
-            u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
-        return sampler_step(logits, temperature, u)
     logits = subs_logits(logits).double()  # (N, V)
     probs = None
     if temperature > 0:
@@ -112,16 +104,16 @@ def entropy_bound_count(entropy, bound: float) -> int:
 
 
 def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, temperature: float,
-           remasking: str, generator, confidences, entropy_bound: float | None = None):
+           remasking: str, generator, confidences, entropy_bound: float | None = None, proposer=propose):
     """One step on the block canvas[lo:lo+N] given its logits (N, V): commit tokens in place.
 
     Commits the `count` most confident masked positions; with a threshold, all masked positions at
     or above it (at least one); with an entropy bound, the longest most-confident run whose
     entropies fit under it (at least one). Records each committed position's confidence; returns
-    the committed positions (absolute indices).
+    the committed positions (absolute indices). proposer: propose, or its fused kernel (kernels.proposal).
     """
     masked = (canvas[lo:lo + len(logits)] == MASK).nonzero()[:, 0]  # (n,): committed tokens never move
-    candidates, confidence = propose(logits[masked], temperature, remasking, generator)  # (n,) each
+    candidates, confidence = proposer(logits[masked], temperature, remasking, generator)  # (n,) each
     ranked = torch.argsort(confidence, descending=True, stable=True)  # most confident first
     if threshold is not None:
         count = max(1, int((confidence >= threshold).sum()))
@@ -184,7 +176,7 @@ class Trace:
 
 
 def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_steps: int, trace, temperature,
-               remasking, threshold, entropy_bound, generator, confidences):
+               remasking, threshold, entropy_bound, generator, confidences, proposer=propose):
     """Block b (canvas[lo:lo+block_length]) filled, one forward a step (block_logits(lo) -> (N, V)): LLaDA's
     schedule, or with a threshold or entropy bound as many a step as pass it, until no MASK is left."""
     schedule = commit_schedule(block_length, block_steps)
@@ -192,7 +184,7 @@ def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_s
     while (canvas[lo:lo + block_length] == MASK).any():
         count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
         committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking, generator,
-                           confidences, entropy_bound)
+                           confidences, entropy_bound, proposer)
         trace.step(canvas, b, committed, confidences=confidences)
         step += 1
 
@@ -234,9 +226,10 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
         first = lo - model.config.shift  # the output that predicts position lo
         return logits[first:first + block_length]  # positions after the block are never committed
 
+    proposer = kernels.proposal(propose, remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
-                   remasking, threshold, entropy_bound, generator, confidences)
+                   remasking, threshold, entropy_bound, generator, confidences, proposer)
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
 
 
@@ -289,7 +282,8 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
         trace.forwards += 1
         return prefix_cached_logits(model, canvas[None], cache, lo, P, block_length)[0]
 
+    proposer = kernels.proposal(propose, remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
-                   remasking, threshold, entropy_bound, generator, confidences)
+                   remasking, threshold, entropy_bound, generator, confidences, proposer)
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)

@@ -7,10 +7,11 @@ One file per kernel, each with the plain PyTorch function it replaces right besi
   sampler_step.py      the diffusion sampler's argmax + confidence over the vocabulary, in chunks
 Each file's public function (`masked_attention`, `moe_ffn`, `moe_ffn_fp4`, `sampler_step`) dispatches: the Triton
 kernel when `use_triton(tensor)` says so, the reference otherwise. tinydiff/bench/kernels.py times them.
-The model paths call them where `for_inference(tensor)`: model.Attention with an explicit mask
-(DDTree verification, the block-causal sampler), dmoe.MoEFeedForward's experts (MXFP4 ones:
-fp4.QuantizedSwiGLU), and sampler.propose with low_confidence remasking. The kernels have no backward pass, so a forward
-that records gradients (training) always takes the PyTorch path.
+The model paths call them where `for_inference(tensor)`: attention with an explicit mask (`attention`
+below, for model.Attention: DDTree verification, the block-causal sampler), dmoe.MoEFeedForward's
+experts (MXFP4 ones: fp4.QuantizedSwiGLU), and the diffusion samplers' proposal with low_confidence
+remasking (`proposal` below, chosen where a sampler starts). The kernels have no backward pass, so a
+forward that records gradients (training) always takes the PyTorch path.
 
 When do kernels run? On a CUDA tensor when Triton is installed; on a CPU tensor only under Triton's
 interpreter (TRITON_INTERPRET=1 in the environment at the call), which runs the same kernel code
@@ -31,6 +32,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 _enabled = os.environ.get("TINYDIFF_KERNELS", "1") != "0"
@@ -50,6 +52,34 @@ def for_inference(x: torch.Tensor) -> bool:
     """Should a model path call a kernel on tensor x? use_triton(x), and autograd off (torch.no_grad,
     torch.inference_mode): the kernels compute no gradients, so training keeps the PyTorch path."""
     return use_triton(x) and not torch.is_grad_enabled()
+
+
+def attention(q, k, v, mask, is_causal: bool):
+    """F.scaled_dot_product_attention of q (B, H, T, D) over k, v (B, H, S, D), or where for_inference(q)
+    and a mask is given, masked_attention.py's flash kernel, which skips the key tiles the mask hides."""
+    if mask is not None and for_inference(q):
+        from tinydiff.kernels.masked_attention import masked_attention  # lazily: see above
+        return masked_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+def proposal(propose, remasking: str, x):
+    """The diffusion sampler's proposal function for a run on x's device: `propose` (tinydiff/sampler.py),
+    or where for_inference(x) and remasking is low_confidence, fused_propose in its place."""
+    if remasking == "low_confidence" and for_inference(x):
+        return fused_propose
+    return propose
+
+
+def fused_propose(logits, temperature: float, remasking: str, generator=None):
+    """sampler.propose for low_confidence remasking in one fused pass over the vocabulary
+    (sampler_step.py): it draws propose's uniforms (same generator, shape and dtype), so the same
+    tokens, and never writes the (N, V) float64 logits, scores and probabilities."""
+    from tinydiff.kernels.sampler_step import sampler_step  # lazily: see above
+    u = None
+    if temperature > 0:
+        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+    return sampler_step(logits, temperature, u)
 
 
 @contextmanager
