@@ -1,7 +1,7 @@
 """The model paths give the same results with the Triton kernels as without (tinydiff/kernels/).
 
 model.Attention with an explicit mask (kernels.attention), dmoe.MoEFeedForward and the diffusion
-samplers' proposal (kernels.proposal picks kernels.fused_propose for sampler.propose) call a kernel
+samplers' proposal (sampler.pick_proposer picks sampler_step.fused_propose for propose) call a kernel
 where kernels.for_inference() says so: with Triton, no gradients, and a CUDA tensor or, as here on
 CPU, the interpreter (tests/kernel_mode.py sets it up; scripts/gpu_check.sh runs this file on a GPU).
 Each test runs a path with the kernels and again inside kernels_enabled(False), and counts the
@@ -21,7 +21,7 @@ from tinydiff.kernels import masked_attention as attn
 from tinydiff.kernels import moe_ffn as moe
 from tinydiff.kernels import sampler_step as step
 from tinydiff.model import ModelConfig
-from tinydiff.sampler import block_causal_mask, generate, generate_cached, propose
+from tinydiff.sampler import block_causal_mask, generate, generate_cached, pick_proposer, propose
 
 
 @pytest.fixture
@@ -145,15 +145,15 @@ def test_sampler_gives_the_same_tokens_with_the_kernels(temperature, launches):
 def test_the_samplers_take_the_fused_proposal_only_where_it_runs_and_it_draws_proposes_tokens(launches):
     x = torch.zeros(1, device=DEVICE)
     with torch.no_grad():
-        assert kernels.proposal(propose, "low_confidence", x) is kernels.fused_propose
-        assert kernels.proposal(propose, "low_entropy", x) is propose  # no kernel for another ranking
+        assert pick_proposer("low_confidence", x) is step.fused_propose
+        assert pick_proposer("low_entropy", x) is propose  # no kernel for another ranking
         with kernels.kernels_enabled(False):
-            assert kernels.proposal(propose, "low_confidence", x) is propose
-    assert kernels.proposal(propose, "low_confidence", x) is propose  # gradients on: the PyTorch path
+            assert pick_proposer("low_confidence", x) is propose
+    assert pick_proposer("low_confidence", x) is propose  # gradients on: the PyTorch path
     logits = 4 * torch.randn(6, 300, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     for temperature in (0.0, 0.8):
         with torch.no_grad():
-            fused = kernels.fused_propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(9))
+            fused = step.fused_propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(9))
         plain = propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(9))
         assert torch.equal(fused[0], plain[0])
         assert_near(fused[1], plain[1])

@@ -38,8 +38,8 @@ block, cached or not; what is left of the prompt forms the first, shorter block.
 
 FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4.py's layer holds them packed and
 overrides `routed`; quantization-aware training (tinydiff/extras/qat.py) swaps in fake-quantized experts.
-Leaves out: sigmoid router scores (DeepSeek-V3), capacity factors and token dropping, expert parallelism, aux-loss-free bias
-balancing, a grouped-GEMM backward pass.
+Leaves out: sigmoid router scores (DeepSeek-V3), capacity factors and token dropping, expert
+parallelism, aux-loss-free bias balancing, a grouped-GEMM backward pass.
 """
 from dataclasses import dataclass, replace
 
@@ -130,9 +130,8 @@ def route(scores, top_k: int, coreset=None, block_size: int = 1):
     """Each token's experts and mixing weights, both (B, T, k): its top-k scores (within its block's
     coreset when one is given), renormalised to sum to 1."""
     if coreset is not None:
+        check_coreset(coreset, top_k)
         allowed = coreset.repeat_interleave(block_size, dim=1)[:, -scores.shape[1]:]  # (B, T, E)
-        if int(coreset.sum(-1).min()) < top_k:
-            raise UserError(f"every coreset needs >= top_k ({top_k}) experts; raise the guard")
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights, experts = scores.topk(top_k, dim=-1)
     return weights / weights.sum(-1, keepdim=True), experts
@@ -257,8 +256,10 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
         raise UserError(CAUSAL_ROUTING)
     model.config = config
     for layer in layers:
-        layer.routing, layer.threshold = config.routing, config.route_threshold
-        layer.guard, layer.block_size = config.route_guard, config.route_block
+        layer.routing = config.routing
+        layer.threshold = config.route_threshold
+        layer.guard = config.route_guard
+        layer.block_size = config.route_block
     return config
 
 
@@ -313,3 +314,8 @@ def check_block_routing(scores, top_k: int, block_size: int, threshold: float, g
     if not 1 <= top_k <= E or not 1 <= guard <= E or block_size < 1 or not 0 < threshold <= 1:
         raise UserError(f"need 1 <= top_k, guard <= E ({E}), block_size >= 1, threshold in (0, 1]; got "
                         f"top_k {top_k}, guard {guard}, block_size {block_size}, threshold {threshold}")
+
+
+def check_coreset(coreset, top_k: int):
+    if int(coreset.sum(-1).min()) < top_k:
+        raise UserError(f"every coreset needs >= top_k ({top_k}) experts; raise the guard")

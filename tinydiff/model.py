@@ -8,12 +8,11 @@ Attention is one of three kinds, chosen per call:
   - bidirectional (the masked-diffusion LM: every position sees every position),
   - an explicit boolean mask with explicit position ids, for block-causal and tree attention
     (without gradients, where Triton runs: the flash kernel of tinydiff/kernels/masked_attention.py).
-A `KVCache` holds past keys/values for incremental decoding in buffers of the whole context (gpt-fast's
-static cache, so a compiled step keeps its shapes), with `crop(n)` and `keep(rows)` to roll back or compact
-after speculative verification. `forward` does the host's part (checks, the rows a call writes, the cache's
-length) around `step`, the arithmetic. `hidden_layers=` returns the residual stream after chosen blocks
-(0 = the embeddings, i = after block i), which DFlash and EAGLE read.
-
+A `KVCache` holds past keys/values for incremental decoding in buffers of the whole context (gpt-fast's static cache,
+so a compiled step keeps its shapes), with `crop(n)` and `keep(rows)` to roll back or compact after speculative
+verification. `forward` does the host's part (checks, the rows a call writes, the cache's length) around `step`, the
+arithmetic. `hidden_layers=` returns the residual stream after chosen blocks (0 = the embeddings, i = after block i),
+which DFlash and EAGLE read.
 Leaves out: dropout (small models on small data, short runs), GQA, sliding windows.
 Follows nanoGPT's model.py and llama2.c's model.py in structure.
 """
@@ -113,39 +112,27 @@ def apply_rope(x, cos, sin):
     return out.flatten(-2).type_as(x)
 
 
-def split_heads(y, n_head: int):
-    """A projection y (B, T, D) as n_head heads: (B, H, T, D/H)."""
+def heads(y, n_head: int, cos=None, sin=None):
+    """A projection y (B, T, D) as n_head heads (B, H, T, D/H), rotated by RoPE when given cos, sin."""
     B, T, _ = y.shape
-    return y.view(B, T, n_head, -1).transpose(1, 2)
-
-
-def rope_heads(y, n_head: int, cos, sin):
-    """A query or key projection y (B, T, D) as n_head heads (B, H, T, D/H), rotated by RoPE."""
-    return apply_rope(split_heads(y, n_head), cos, sin)
-
-
-def check_heads(d_model: int, n_head: int):
-    """Attention splits d_model into n_head heads, and RoPE rotates each head's dimensions in pairs."""
-    if d_model % n_head or (d_model // n_head) % 2:
-        raise UserError(f"d_model {d_model} must split into {n_head} heads of even size")
+    y = y.view(B, T, n_head, -1).transpose(1, 2)  # (B, H, T, D/H)
+    return y if cos is None else apply_rope(y, cos, sin)
 
 
 def residual_init_(weight, n_layer: int):
-    """GPT-2's init of a layer that writes into the residual stream: N(0, 0.02 / sqrt(2 * n_layer)), so the
-    stream's variance stays put however many layers add to it."""
+    """GPT-2's init of a residual write: N(0, 0.02 / sqrt(2 * n_layer)), the stream's variance kept over depth."""
     nn.init.normal_(weight, std=0.02 / math.sqrt(2 * n_layer))
 
 
 class KVCache:
     """Keys and values of the positions seen so far, in buffers as long as the model's context.
 
-    gpt-fast's static cache: a forward writes its T new rows in place, at row indices held in a tensor
-    (`rows`), and attention reads every row behind a mask that shows the valid ones. So a step's shapes
-    depend only on T, never on how long the sequence is, and compiling it takes a few lines
-    (tinydiff/fast/compiled.py). `length` counts the valid rows; it is host bookkeeping, read only
-    outside a step. Speculative decoding writes drafts and rolls back: `crop(n)` keeps the first n
-    rows, `keep(rows)` moves the chosen rows (in order) to the front (DDTree keeps a tree's accepted
-    path so). What lies past `length` is junk no mask shows; the next write replaces it.
+    gpt-fast's static cache: a forward writes its T new rows in place, at row indices held in a tensor (`rows`), and
+    attention reads every row behind a mask that shows the valid ones. So a step's shapes depend only on T, never
+    on how long the sequence is, and compiling it takes a few lines (tinydiff/fast/compiled.py). `length` counts
+    the valid rows; it is host bookkeeping, read only outside a step. Speculative decoding writes drafts and rolls
+    back: `crop(n)` keeps the first n rows, `keep(rows)` moves the chosen rows (in order) to the front (DDTree
+    keeps a tree's accepted path so). What lies past `length` is junk no mask shows; the next write replaces it.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, device, dtype=torch.float32):
@@ -206,9 +193,9 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """q, k, v (B, H, T, D/H) of x (B, T, D), RoPE applied to q and k."""
-        q = rope_heads(self.wq(x), self.n_head, cos, sin)
-        k = rope_heads(self.wk(x), self.n_head, cos, sin)
-        return q, k, split_heads(self.wv(x), self.n_head)
+        q = heads(self.wq(x), self.n_head, cos, sin)
+        k = heads(self.wk(x), self.n_head, cos, sin)
+        return q, k, heads(self.wv(x), self.n_head)
 
     def forward(self, x, cos, sin, mask, is_causal, cache, rows, layer):
         B, T, D = x.shape
@@ -282,15 +269,14 @@ class Transformer(nn.Module):
     def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
         """Logits (B, T, V) for token ids idx (B, T).
 
-        pos: position ids (T,) or (B, T); default the rows they are written to (cache.length + arange(T)),
-            or arange(T). Given, without a cache, T may pass the context (block diffusion reads a window
-            twice at the same positions).
+        pos: position ids (T,) or (B, T); default the rows they are written to (cache.length + arange(T)), or
+            arange(T). Given, without a cache, T may pass the context (block diffusion reads a window twice).
         mask: bool (T, S) or (B, T, S), True = may attend, S = cached rows + T. Overrides `causal`.
         causal: without a mask, causal (True) or bidirectional (False); default config.causal.
         cache: a KVCache; the new keys/values are written after its valid rows and its length advanced by T.
         hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
-        head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a
-            small model's cost, and block diffusion scores only the second half of what it reads.
+        head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a small
+            model's cost (block diffusion scores the second half of what it reads; T: hidden states only).
         """
         T = idx.shape[1]
         past = cache.length if cache is not None else 0
@@ -315,10 +301,10 @@ class Transformer(nn.Module):
         return out
 
     def step(self, idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0):
-        """The forward's arithmetic, on tensors only, never the cache's host `length`: what
-        tinydiff/fast/compiled.py compiles. With a cache and no mask it reads causally: the token written
-        at row r sees rows 0..r (rows are positions in a chain). mask: (T, C) or (B, T, C) over the cache's
-        rows (C = capacity), or (T, T) without a cache; is_causal: no mask, no cache, causal."""
+        """The forward's arithmetic, on tensors only, never the cache's host `length`: what fast/compiled.py
+        compiles. With a cache and no mask it reads causally: the token written at row r sees rows 0..r (rows
+        are positions in a chain). mask: (T, C) or (B, T, C) over the cache's rows (C = capacity), or (T, T)
+        without a cache; is_causal: no mask, no cache, causal."""
         T = idx.shape[1]
         if pos is None:
             pos = rows if rows is not None else torch.arange(T, device=idx.device)
@@ -341,3 +327,8 @@ class Transformer(nn.Module):
     def logits(self, x):
         """The tied head on residual streams x (..., D) after the last block: logits (..., V)."""
         return tied_head(self.norm(x), self.embed.weight, self.config.vocab_size)
+
+
+def check_heads(d_model: int, n_head: int):  # RoPE rotates each head's dimensions in pairs
+    if d_model % n_head or (d_model // n_head) % 2:
+        raise UserError(f"d_model {d_model} must split into {n_head} heads of even size")

@@ -62,8 +62,8 @@ def propose(logits, temperature: float, remasking: str, generator=None):
     argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, computed as
     argmax(softmax(logits / T) / -log u): one logarithm per id instead of two, and at T = 1 the
     softmax is the confidence's too. Noise and probabilities in float64: float32 Gumbel noise has
-    visible ties. (Where Triton runs, the samplers take kernels.fused_propose for low_confidence:
-    one pass over the vocabulary on the same uniforms, so the same tokens; see kernels.proposal.)
+    visible ties. (Where Triton runs, the samplers take sampler_step.fused_propose for low_confidence:
+    one pass over the vocabulary on the same uniforms, so the same tokens; see pick_proposer.)
     """
     logits = subs_logits(logits).double()  # (N, V)
     probs = None
@@ -110,7 +110,7 @@ def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, 
     Commits the `count` most confident masked positions; with a threshold, all masked positions at
     or above it (at least one); with an entropy bound, the longest most-confident run whose
     entropies fit under it (at least one). Records each committed position's confidence; returns
-    the committed positions (absolute indices). proposer: propose, or its fused kernel (kernels.proposal).
+    the committed positions (absolute indices). proposer: propose, or its fused kernel (pick_proposer).
     """
     masked = (canvas[lo:lo + len(logits)] == MASK).nonzero()[:, 0]  # (n,): committed tokens never move
     candidates, confidence = proposer(logits[masked], temperature, remasking, generator)  # (n,) each
@@ -125,36 +125,6 @@ def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, 
     return (lo + masked[chosen]).tolist()
 
 
-def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold,
-               entropy_bound=None):
-    """Validate sampler arguments; return (number of blocks, steps per block)."""
-    check_prompt(prompt, model.config.context, gen_length)
-    if block_length < 1 or gen_length % block_length:
-        raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
-    blocks = gen_length // block_length
-    if steps < blocks or steps % blocks or steps > gen_length:
-        raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
-                        f"gen length {gen_length} (one token per step)")
-    check_warp_args(temperature, None, None)
-    check_rule(remasking, threshold, entropy_bound)
-    return blocks, steps // blocks
-
-
-def check_rule(remasking, threshold, entropy_bound):
-    """The order a step ranks positions in, and what decides how many it commits: what `commit` reads."""
-    if remasking not in REMASKING:
-        raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
-    if threshold is not None and not 0 < threshold <= 1:
-        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
-    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
-        raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
-                        f"got {entropy_bound}")
-    if threshold is not None and remasking == "left_to_right":
-        raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
-    if threshold is not None and entropy_bound is not None:
-        raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")
-
-
 def block_causal_mask(block_ids):
     """(T, T) bool: position i sees j when j's block is not after i's."""
     return block_ids[None, :] <= block_ids[:, None]
@@ -164,7 +134,9 @@ class Trace:
     """Counts forwards and reports every step to an optional callback(event dict; confidences: read it at once)."""
 
     def __init__(self, callback):
-        self.callback, self.forwards, self.start = callback, 0, time.perf_counter()
+        self.callback = callback
+        self.forwards = 0
+        self.start = time.perf_counter()
 
     def step(self, canvas, block, committed, **more):
         if self.callback is not None:
@@ -226,7 +198,7 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
         first = lo - model.config.shift  # the output that predicts position lo
         return logits[first:first + block_length]  # positions after the block are never committed
 
-    proposer = kernels.proposal(propose, remasking, canvas)  # propose, or its fused kernel where Triton runs
+    proposer = pick_proposer(remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
                    remasking, threshold, entropy_bound, generator, confidences, proposer)
@@ -282,8 +254,47 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
         trace.forwards += 1
         return prefix_cached_logits(model, canvas[None], cache, lo, P, block_length)[0]
 
-    proposer = kernels.proposal(propose, remasking, canvas)  # propose, or its fused kernel where Triton runs
+    proposer = pick_proposer(remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
                    remasking, threshold, entropy_bound, generator, confidences, proposer)
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
+
+
+def pick_proposer(remasking: str, x):
+    """The samplers' proposal on x's device: propose, or for low_confidence where kernels.for_inference(x),
+    kernels/sampler_step.py's fused_propose (propose's tokens, in one pass over the vocabulary)."""
+    if remasking != "low_confidence" or not kernels.for_inference(x):
+        return propose
+    from tinydiff.kernels.sampler_step import fused_propose  # lazily: see kernels/__init__.py
+    return fused_propose
+
+
+def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold,
+               entropy_bound=None):
+    """Validate sampler arguments; return (number of blocks, steps per block)."""
+    check_prompt(prompt, model.config.context, gen_length)
+    if block_length < 1 or gen_length % block_length:
+        raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
+    blocks = gen_length // block_length
+    if steps < blocks or steps % blocks or steps > gen_length:
+        raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
+                        f"gen length {gen_length} (one token per step)")
+    check_warp_args(temperature, None, None)
+    check_rule(remasking, threshold, entropy_bound)
+    return blocks, steps // blocks
+
+
+def check_rule(remasking, threshold, entropy_bound):
+    """The order a step ranks positions in, and what decides how many it commits: what `commit` reads."""
+    if remasking not in REMASKING:
+        raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
+    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
+        raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
+                        f"got {entropy_bound}")
+    if threshold is not None and remasking == "left_to_right":
+        raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
+    if threshold is not None and entropy_bound is not None:
+        raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")

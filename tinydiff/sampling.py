@@ -1,9 +1,8 @@
 """Turning logits into tokens: temperature, top-k and top-p warping, and seeded sampling.
 
-Every decoding method warps its distributions through `warp` so that a draft and a target are
-warped identically (speculative sampling is lossless only for the distributions it compares).
-Temperature 0 is greedy decoding written as a distribution: all mass on the argmax (first index
-on ties), so greedy and sampled decoding run through the same code.
+Every decoding method warps its distributions through `warp` so that a draft and a target are warped identically
+(speculative sampling is lossless only for the distributions it compares). Temperature 0 is greedy decoding written as
+a distribution: all mass on the argmax (first index on ties), so greedy and sampled decoding run through the same code.
 `residual` is what speculative sampling draws from after it rejects a draft token.
 Leaves out: repetition penalties, min-p, typical sampling.
 """
@@ -35,9 +34,8 @@ def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: floa
 
 
 def forbid_mask(logits, inplace: bool = False):
-    """logits (..., V) with MASK's logit at -inf, so no method samples, drafts or predicts it (only the
-    diffusion models read MASK, as an input; tiny test models may not have the id at all). A copy, or
-    in place when the caller owns the logits (training's (B, T, V) logits: a copy costs time)."""
+    """logits (..., V) with MASK's logit at -inf: never sampled, drafted or predicted (only an input; tiny
+    test models may lack the id). A copy, or in place where the caller owns the logits (a copy costs time)."""
     if logits.shape[-1] > MASK:
         logits = logits if inplace else logits.clone()
         logits[..., MASK] = float("-inf")
@@ -64,9 +62,8 @@ def sample(probs, generator: torch.Generator | None = None):
 
 
 def inverse_cdf(probs, u):
-    """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id
-    whose float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled
-    graphs' (fast/fused_round.py, fused_steps.py, fused_dflash.py), which draw their uniforms before they run."""
+    """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id whose
+    float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled graphs' (fast/)."""
     cdf = probs.double().cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)  # (N,)
 
@@ -74,10 +71,9 @@ def inverse_cdf(probs, u):
 def residual(p, q):
     """norm(max(0, p - q)) over the last dim of p, q (..., V): the correction after a rejection.
 
-    Accepting a draft x ~ q with probability min(1, p(x)/q(x)) yields token y with probability
-    min(p(y), q(y)); the rejection mass 1 - sum(min(p, q)) times this residual supplies the rest
-    of p. Where p == q nothing is ever rejected and the residual is never sampled: we return p
-    there so the result is still a distribution.
+    Accepting a draft x ~ q with probability min(1, p(x)/q(x)) yields token y with probability min(p(y), q(y)); the
+    rejection mass 1 - sum(min(p, q)) times this residual supplies the rest of p. Where p == q nothing is ever
+    rejected and the residual is never sampled: we return p there so the result is still a distribution.
     """
     r = (p - q).clamp_min(0)  # (..., V)
     mass = r.sum(-1, keepdim=True)  # (..., 1)
@@ -85,8 +81,7 @@ def residual(p, q):
 
 
 def draftable(logits):
-    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted, as
-    next_token_probs never generates it."""
+    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted (forbid_mask)."""
     return forbid_mask(logits.to(wide(logits.dtype)))
 
 
@@ -98,9 +93,8 @@ def without_mask(x):
 
 
 def soft_ce(logits, p):
-    """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in
-    `draftable`, against the distribution p (..., V): logsumexp(z) - <p, z> (p sums to 1), which
-    never materialises log q, a saving on 50,258-wide rows."""
+    """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in `draftable`, against
+    the distribution p (..., V): logsumexp(z) - <p, z> (p sums to 1), never materialising log q (50,258 wide)."""
     z, p = without_mask(logits.to(wide(logits.dtype))), without_mask(p)
     return torch.logsumexp(z, -1) - (p * z).sum(-1)
 

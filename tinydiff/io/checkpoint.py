@@ -26,8 +26,7 @@ allocated (its classes' own rules); one that implies more weights than the file 
 by name and shape by shape, against a model built on the "meta" device, which costs no memory, so a
 tampered config cannot make this machine allocate what the file does not hold (a config whose size
 agrees with the file skips it: "meta" imports torch's compiler, about 1.5 s).
-An embedding of the true vocabulary's rows is padded on load (pad_vocabulary), and a config field this
-code no longer has is dropped where it holds the only value the code computes (retire_fields).
+An embedding of the true vocabulary's rows is padded on load (pad_vocabulary).
 """
 import re
 import warnings
@@ -78,7 +77,7 @@ def read_checkpoint(path: Path, map_location) -> dict:
         from tinydiff.io.hf_format import read_folder
         ckpt = {"format": FORMAT, "version": VERSION, **read_folder(path)}
         check_contents(ckpt, path)
-        return retire_fields(pad_vocabulary(ckpt))
+        return pad_vocabulary(ckpt)
     if path.is_dir():
         hint = f"pass {path / 'ckpt.pt'}" if (path / "ckpt.pt").is_file() else \
             "pass the ckpt.pt inside a run folder, or a folder written by `python -m tinydiff.tools.export`"
@@ -102,7 +101,7 @@ def read_checkpoint(path: Path, map_location) -> dict:
     if ckpt.get("version") not in (1, VERSION):
         raise UserError(f"{path} has checkpoint version {ckpt.get('version')!r}, this code reads 1 and {VERSION}")
     check_contents(ckpt, path)
-    return retire_fields(pad_vocabulary(ckpt))
+    return pad_vocabulary(ckpt)
 
 
 def check_contents(ckpt: dict, path):
@@ -129,21 +128,6 @@ def check_contents(ckpt: dict, path):
     if bad is not None:
         raise UserError(f"{path}: weight {bad} holds NaN or inf (the training diverged); use an earlier checkpoint, "
                         "or train again with a lower --lr")
-
-
-# Config fields older versions wrote, each with the one value this code still computes. MoEConfig.score:
-# the router's score function, always "softmax" in a run (no flag set it; "sigmoid" was removed, issue 76).
-RETIRED = {"score": "softmax"}
-
-
-def retire_fields(ckpt: dict) -> dict:
-    """The config without RETIRED fields that hold their retired value; another value stays, and the
-    config's class refuses it as a field it does not know."""
-    config = ckpt["config"]
-    for field, value in RETIRED.items():
-        if field in config and config[field] == value:
-            del config[field]
-    return ckpt
 
 
 def pad_vocabulary(ckpt: dict) -> dict:
@@ -177,12 +161,13 @@ def architecture(kind: str):
 
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
     config_class, _ = architecture(ckpt.get("kind"))
-    known = {f.name for f in fields(config_class)}
-    unknown = set(ckpt["config"]) - known
+    retired = {"score": "softmax"}  # older MoEConfigs' field, at the one value this code computes ("sigmoid" went)
+    stored = {k: v for k, v in ckpt["config"].items() if not (k in retired and retired[k] == v)}
+    unknown = set(stored) - {f.name for f in fields(config_class)}
     if unknown:
         raise UserError(f"{path}: config has fields this code does not know ({', '.join(sorted(unknown))})")
     try:
-        config = config_class(**ckpt["config"])
+        config = config_class(**stored)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     if config.vocab_size != VOCAB_SIZE:  # every model read from a file reads this tokenizer's ids
