@@ -47,7 +47,7 @@ with torch.no_grad():
     seq = torch.randint(0, 50257, (1, n))
     start = time.perf_counter()
     for t in range(1, n + 1):
-        model(seq[:, :t], causal=True, head_at=t - 1)  # no cache: every position again (logits of the last)
+        model(seq[:, :t], causal=True, head_from=t - 1)  # no cache: every position again (logits of the last)
     slow = time.perf_counter() - start
     cache = model.new_cache()
     start = time.perf_counter()

@@ -29,7 +29,13 @@ class SmallVocab(torch.nn.Module):
         return self.inner.new_cache(batch_size)
 
     def forward(self, idx, **kwargs):
-        return self.inner(torch.where(idx == MASK, V, idx), **kwargs)[..., :V]
+        out = self.inner(torch.where(idx == MASK, V, idx), **kwargs)
+        if isinstance(out, tuple):  # hidden_layers given: (logits, hidden states)
+            return out[0][..., :V], out[1]
+        return out[..., :V]
+
+    def logits(self, x):
+        return self.inner.logits(x)[..., :V]
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """The model paths give the same results with the Triton kernels as without (tinydiff/kernels/).
 
-model.Attention with an explicit mask, dmoe.MoEFeedForward and sampler.propose call a kernel
+model.Attention with an explicit mask (kernels.attention), dmoe.MoEFeedForward and the diffusion
+samplers' proposal (sampler.pick_proposer picks sampler_step.fused_propose for propose) call a kernel
 where kernels.for_inference() says so: with Triton, no gradients, and a CUDA tensor or, as here on
 CPU, the interpreter (tests/kernel_mode.py sets it up; scripts/gpu_check.sh runs this file on a GPU).
 Each test runs a path with the kernels and again inside kernels_enabled(False), and counts the
@@ -20,7 +21,7 @@ from tinydiff.kernels import masked_attention as attn
 from tinydiff.kernels import moe_ffn as moe
 from tinydiff.kernels import sampler_step as step
 from tinydiff.model import ModelConfig
-from tinydiff.sampler import block_causal_mask, generate, generate_cached
+from tinydiff.sampler import block_causal_mask, generate, generate_cached, pick_proposer, propose
 
 
 @pytest.fixture
@@ -139,6 +140,24 @@ def test_sampler_gives_the_same_tokens_with_the_kernels(temperature, launches):
     assert launches["sampler"] == 8 + 8  # one per step, 8 steps per run
     assert launches["attention"] == 2 * (8 + 8)  # 2 layers x every step of both (each masks its prefix explicitly)
     assert launches["moe"] == 2 * (8 + 8)  # 2 layers x every forward
+
+
+def test_the_samplers_take_the_fused_proposal_only_where_it_runs_and_it_draws_proposes_tokens(launches):
+    x = torch.zeros(1, device=DEVICE)
+    with torch.no_grad():
+        assert pick_proposer("low_confidence", x) is step.fused_propose
+        assert pick_proposer("low_entropy", x) is propose  # no kernel for another ranking
+        with kernels.kernels_enabled(False):
+            assert pick_proposer("low_confidence", x) is propose
+    assert pick_proposer("low_confidence", x) is propose  # gradients on: the PyTorch path
+    logits = 4 * torch.randn(6, 300, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    for temperature in (0.0, 0.8):
+        with torch.no_grad():
+            fused = step.fused_propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(9))
+        plain = propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(9))
+        assert torch.equal(fused[0], plain[0])
+        assert_near(fused[1], plain[1])
+    assert launches == {"sampler": 2}
 
 
 @torch.no_grad()

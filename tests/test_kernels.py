@@ -236,7 +236,7 @@ def test_sampler_step_gives_propose_tokens_and_confidences(V, block_v, split, te
     g = torch.Generator().manual_seed(int(10 * temperature) + V)
     logits = (3 * torch.randn(5, V, generator=g)).to(DEVICE)
     seed = 123
-    with kernels.kernels_enabled(False):  # propose's own math, not the kernel it calls now
+    with kernels.kernels_enabled(False):  # propose's own math
         want_c, want_p = propose(logits, temperature, "low_confidence", torch.Generator(DEVICE).manual_seed(seed))
     u = None  # propose's own draw: the same generator, seed and shape give the same uniforms
     if temperature > 0:

@@ -20,7 +20,7 @@ bound covers positions 1..T-1 (the first token is context, as in an AR model's w
 
 Leaves out: timestep conditioning, other noise schedules (this is the linear one, alpha_t = 1 - t),
 the low-variance "exact count" estimator for training (used here only to test the bound).
-Samplers live in tinydiff/sampler.py; a noise level per block (block diffusion) in tinydiff/diffusion.py.
+Samplers live in tinydiff/sampler.py; a noise level per block (block diffusion) below.
 
 Block diffusion (BD3-LM, Arriola et al. 2025): a noise level per block, behind a clean prefix.
 
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from tinydiff.checks import UserError
 from tinydiff.model import wide
+from tinydiff.sampling import forbid_mask
 from tinydiff.tokenizer import MASK
 
 EPS = 1e-3  # t is drawn from (EPS, 1): the 1/t weight stays finite
@@ -80,10 +81,7 @@ def add_noise(x, t, uniforms=None, generator=None):
 def subs_logits(logits, inplace: bool = False):
     """SUBS: the model never predicts MASK (B, T, V). In place when the caller owns the logits:
     training's (B, T, 50258) float32 logits are the largest tensor in the step, a copy costs time."""
-    if logits.shape[-1] > MASK:
-        logits = logits if inplace else logits.clone()
-        logits[..., MASK] = float("-inf")
-    return logits
+    return forbid_mask(logits, inplace)
 
 
 def noise(model, x, t, generator=None):
@@ -144,31 +142,15 @@ def elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = None) -> d
     return bound_summary(draws, scored_tokens(model, x), n_bytes)
 
 
-def check_elbo_input(x, mc: int):
-    if mc < 2:
-        raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
-    if x.dim() != 2 or x.numel() == 0:
-        raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
-    if (x == MASK).any():
-        raise UserError("elbo scores clean text; the input holds MASK tokens")
-
-
 def bound_summary(draws: list[float], scored: int, n_bytes: int | None) -> dict:
     """elbo's fields from its per-draw bounds (nats/token over `scored` tokens)."""
     draws = torch.tensor(draws, dtype=torch.float64)
-    bound, stderr = draws.mean().item(), (draws.std() / math.sqrt(len(draws))).item()
+    bound = draws.mean().item()
+    stderr = (draws.std() / math.sqrt(len(draws))).item()  # of the mean over the draws
     out = {"bound": bound, "stderr": stderr, "ppl_bound": math.exp(bound)}
     if n_bytes is not None:
         out["bits_per_byte"] = bound * scored / (n_bytes * math.log(2))
     return out
-
-
-def check_blocks(model, x, block: int):
-    if model.config.shift:
-        raise UserError("block diffusion needs an unshifted diffusion LM; this one was adapted from an AR model")
-    if block < 1 or x.shape[1] % block:
-        raise UserError(f"the window of {x.shape[1]} tokens must split into whole noise blocks of {block}; "
-                        f"pick a block that divides the context")
 
 
 def clean_and_noisy_mask(T: int, block: int, device=None):
@@ -237,3 +219,20 @@ def diffusion_elbo(model, x, mc: int = 8, generator=None, n_bytes: int | None = 
     if block:
         return block_diffusion_elbo(model, x, block, mc, generator, n_bytes)
     return elbo(model, x, mc, generator, n_bytes)
+
+
+def check_elbo_input(x, mc: int):
+    if mc < 2:
+        raise UserError(f"mc must be >= 2 to estimate the standard error, got {mc}")
+    if x.dim() != 2 or x.numel() == 0:
+        raise UserError(f"elbo takes token ids of shape (B, T), got {tuple(x.shape)}")
+    if (x == MASK).any():
+        raise UserError("elbo scores clean text; the input holds MASK tokens")
+
+
+def check_blocks(model, x, block: int):
+    if model.config.shift:
+        raise UserError("block diffusion needs an unshifted diffusion LM; this one was adapted from an AR model")
+    if block < 1 or x.shape[1] % block:
+        raise UserError(f"the window of {x.shape[1]} tokens must split into whole noise blocks of {block}; "
+                        f"pick a block that divides the context")

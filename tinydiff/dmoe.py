@@ -23,9 +23,8 @@ the sampler reads only the MASK positions' (committed tokens reach them only thr
 yet after the first few steps committed tokens are most of the block and, voting alike, pick the
 coreset. A block without MASK tokens (a finished block on its way into the KV cache) routes as before.
 
-Scores are softmax probabilities by default: each token then casts one vote of total weight 1 into
-its block's distribution, and the Switch term is defined on them. "sigmoid" (DeepSeek-V3 / Ling
-style) is offered too, its top-k weights renormalised the same way.
+Scores are softmax probabilities: each token casts one vote of total weight 1 into its block's
+distribution, and the Switch term is defined on them.
 Dispatch is a plain loop over experts (index_select the routed tokens, run the expert, index_add
 the weighted result): an expert no token chose is never read. Without gradients, where Triton
 runs (kernels/__init__.py), one grouped-GEMM launch does the same (kernels/moe_ffn.py). A layer keeps
@@ -37,27 +36,24 @@ canvases (tinydiff/sampler.py) end on a block boundary, so every routing block i
 block, cached or not; what is left of the prompt forms the first, shorter block. A causal model
 (ar-moe) routes by token only: its KV cache sees each token once, never the block around it.
 
-FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4.py's layers override
-`routed` and hold the experts packed; QAT (tinydiff/extras/qat.py) sets `weight_view`.
-Leaves out: capacity factors and token dropping, expert parallelism, aux-loss-free bias
-balancing, a grouped-GEMM backward pass.
+FP4 experts (MoEConfig.expert_format mxfp4 / nvfp4): tinydiff/fp4.py's layer holds them packed and
+overrides `routed`; quantization-aware training (tinydiff/extras/qat.py) swaps in fake-quantized experts.
+Leaves out: sigmoid router scores (DeepSeek-V3), capacity factors and token dropping, expert
+parallelism, aux-loss-free bias balancing, a grouped-GEMM backward pass.
 """
-import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tinydiff import kernels
 from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, UserError, check_fields
 from tinydiff.diffusion import diffusion_loss
-from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, wide
+from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, residual_init_, wide
 from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
 CAUSAL_ROUTING = "block routing is for diffusion LMs (mdlm-moe); a causal MoE (ar-moe) routes by token"
-SCORES = ("softmax", "sigmoid")
 EXPERT_FORMATS = ("float", "mxfp4", "nvfp4")  # packed FP4 experts: tinydiff/fp4.py
 
 
@@ -67,7 +63,6 @@ class MoEConfig(ModelConfig):
     moe_top_k: int = 3             # experts each token is routed to (k)
     expert_d_ff: int | None = None  # expert SwiGLU width; None = d_ff // (k + shared): active FFN = dense FFN
     shared_expert: bool = True     # one more expert that every token passes through
-    score: str = "softmax"         # router score function: "softmax" or "sigmoid"
     balance_coef: float = 0.01     # weight of the summed Switch load-balancing terms in the loss
     routing: str = "token"         # "token" (top-k per token) or "block" (top-k inside the block's coreset)
     route_block: int = 32          # positions per routing block (also the block of the stats)
@@ -84,26 +79,8 @@ class MoEConfig(ModelConfig):
             self.expert_d_ff = max(1, self.d_ff // (self.moe_top_k + int(self.shared_expert)))
         SIZE.check("model config expert_d_ff", self.expert_d_ff)
         check_routing(self.routing, self.route_guard, self.moe_top_k, self.n_experts)
-        if self.score not in SCORES:
-            raise UserError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.expert_format not in EXPERT_FORMATS:  # a packed format's blocks are checked by fp4.moe_model
             raise UserError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}")
-
-
-EXPERTS = Rule(integer=True, lo=1, hi=4096)
-MOE_RULES = {"n_experts": EXPERTS, "moe_top_k": EXPERTS, "shared_expert": bool, "balance_coef": WEIGHT,
-             "route_block": SIZE, "route_threshold": MASS, "route_guard": EXPERTS, "route_mask_vote": POSITIVE}
-
-
-def check_routing(routing, guard, top_k, n_experts):
-    """What MOE_RULES cannot say alone: the settings against each other."""
-    if not top_k <= n_experts:
-        raise UserError(f"need 1 <= top_k <= n_experts, got top_k {top_k} with {n_experts} experts")
-    if routing not in ROUTINGS:
-        raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
-    if not top_k <= guard <= n_experts:
-        raise UserError(f"the guard must lie in [top_k, n_experts] = [{top_k}, {n_experts}] (a token "
-                        f"needs {top_k} experts in its block's coreset), got {guard}")
 
 
 def moe_config(name: str, **overrides) -> MoEConfig:
@@ -136,12 +113,8 @@ def block_mass(scores, top_k: int, block_size: int, votes=None):
 def block_routing(scores, top_k: int, block_size: int, threshold: float, guard: int, votes=None):
     """The coreset mask (B, n_blocks, E) bool of every block, from router scores (B, T, E) and
     optionally each token's vote (B, T) in its block's mass (default: 1 each, the paper's rule)."""
-    if scores.dim() != 3:
-        raise UserError(f"scores must have shape (B, T, E), got {tuple(scores.shape)}")
+    check_block_routing(scores, top_k, block_size, threshold, guard)
     E = scores.shape[-1]
-    if not 1 <= top_k <= E or not 1 <= guard <= E or block_size < 1 or not 0 < threshold <= 1:
-        raise UserError(f"need 1 <= top_k, guard <= E ({E}), block_size >= 1, threshold in (0, 1]; got "
-                        f"top_k {top_k}, guard {guard}, block_size {block_size}, threshold {threshold}")
     mass, order = block_mass(scores.float(), top_k, block_size, votes).sort(dim=-1, descending=True, stable=True)
     before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)  # mass ranked above
     # An expert joins while the mass ranked above it is short of the threshold: so the first always
@@ -157,9 +130,8 @@ def route(scores, top_k: int, coreset=None, block_size: int = 1):
     """Each token's experts and mixing weights, both (B, T, k): its top-k scores (within its block's
     coreset when one is given), renormalised to sum to 1."""
     if coreset is not None:
+        check_coreset(coreset, top_k)
         allowed = coreset.repeat_interleave(block_size, dim=1)[:, -scores.shape[1]:]  # (B, T, E)
-        if int(coreset.sum(-1).min()) < top_k:
-            raise UserError(f"every coreset needs >= top_k ({top_k}) experts; raise the guard")
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights, experts = scores.topk(top_k, dim=-1)
     return weights / weights.sum(-1, keepdim=True), experts
@@ -195,47 +167,41 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(FeedForward(expert) for _ in range(config.n_experts))
         self.shared = FeedForward(expert) if config.shared_expert else None
-        self.n_experts, self.top_k, self.score = config.n_experts, config.moe_top_k, config.score
-        self.routing, self.block_size = config.routing, config.route_block
-        self.threshold, self.guard = config.route_threshold, config.route_guard
+        self.n_experts = config.n_experts
+        self.top_k = config.moe_top_k
+        self.routing = config.routing
+        self.block_size = config.route_block
+        self.threshold = config.route_threshold
+        self.guard = config.route_guard
         self.votes = None  # (B, T) each token's vote in its block's mass; MoETransformer sets it per forward
         self.balance_loss = torch.zeros(())  # Switch term of the latest forward
         self.last = {}  # the latest forward's routing: scores (B, T, E), weights, experts (B, T, k), coreset
         self.stacked = None  # the experts' weights stacked for the kernel (kernels.moe_ffn.stacked_experts)
-        self.weight_view = None  # w -> what an expert computes with (tinydiff/extras/qat.py: fake-quantized); None: w
 
     def forward(self, x):
         B, T, D = x.shape
         logits = self.router(x).to(wide(self.router.weight.dtype))  # (B, T, E): float32 under autocast too
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        scores = logits.softmax(-1)
         coreset = None
         if self.routing == "block":
             coreset = block_routing(scores, self.top_k, self.block_size, self.threshold, self.guard, self.votes)
         weights, experts = route(scores, self.top_k, coreset, self.block_size)  # (B, T, k) each
-        flat, chosen, mix = x.reshape(B * T, D), experts.view(B * T, -1), weights.view(B * T, -1)
-        out = self.routed(flat, mix, chosen)  # (B*T, D)
+        flat = x.reshape(B * T, D)
+        out = self.routed(flat, weights.view(B * T, -1), experts.view(B * T, -1))  # (B*T, D)
         if self.shared is not None:
-            out = out + self.run_expert(self.shared, flat)
-        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-        self.balance_loss = switch_balance(probs, experts, self.n_experts)
+            out = out + self.shared(flat)
+        self.balance_loss = switch_balance(scores, experts, self.n_experts)
         self.last = {"scores": scores.detach(), "weights": weights.detach(), "experts": experts, "coreset": coreset}
         return out.view(B, T, D)
 
     def routed(self, flat, mix, chosen):
         """The routed experts' output (N, D) for tokens flat (N, D), mixing weights and expert ids (N, k).
         (tinydiff/fp4.py's QuantizedMoEFeedForward replaces this with its packed experts.)"""
-        if kernels.for_inference(flat) and self.weight_view is None:  # one launch for all experts, not E
+        if kernels.for_inference(flat):  # one launch for all experts, not E
             from tinydiff.kernels.moe_ffn import moe_ffn, stacked_experts  # lazily: see kernels/__init__.py
             return moe_ffn(flat, mix, chosen, *stacked_experts(self))
         self.stacked = None  # an optimizer step may follow this forward: restack after it
-        return dispatch(flat, mix, chosen, len(self.experts), lambda e, x: self.run_expert(self.experts[e], x))
-
-    def run_expert(self, expert, x):
-        """One SwiGLU expert on x (n, D), through `weight_view` when one is set."""
-        if self.weight_view is None:
-            return expert(x)
-        gate, up, down = (self.weight_view(lin.weight) for lin in (expert.gate, expert.up, expert.down))
-        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        return dispatch(flat, mix, chosen, self.n_experts, lambda e, rows: self.experts[e](rows))
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what dispatching to it reads)."""
@@ -252,23 +218,16 @@ def unique_experts(experts, n_experts: int, block_size: int):
 
 class MoETransformer(Transformer):
     """The project's Transformer with every block's `ffn` a MoEFeedForward (model.py unchanged)."""
-    feed_forward = MoEFeedForward  # fp4.QuantizedMoETransformer: the packed experts' layer
 
     def __init__(self, config: MoEConfig):
-        if not isinstance(config, MoEConfig):
-            raise UserError(f"MoETransformer needs a MoEConfig (see moe_config), got {type(config).__name__}")
-        if config.expert_format != "float" and self.feed_forward is MoEFeedForward:
-            raise UserError(f"this config's experts are packed {config.expert_format}: build the model with "
-                            "tinydiff.fp4.moe_model(config), as load_model does")
-        if config.causal and config.routing == "block":  # the model's attention: a layer's config need not know it
-            raise UserError(CAUSAL_ROUTING)
+        check_moe_model(config)
         super().__init__(config)
         for block in self.blocks:
-            block.ffn = self.feed_forward(config)
+            block.ffn = MoEFeedForward(config)
             block.ffn.apply(self._init_weights)  # as Transformer: N(0, 0.02), residual writes by depth
             for name, p in block.ffn.named_parameters():
                 if name.endswith("down.weight"):
-                    nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+                    residual_init_(p, config.n_layer)
 
     def forward(self, idx, **kwargs):
         """Transformer.forward; first gives every MASK position of idx (B, T) its vote in block routing.
@@ -297,8 +256,10 @@ def set_routing(model, routing: str, threshold=None, guard=None, block_size=None
         raise UserError(CAUSAL_ROUTING)
     model.config = config
     for layer in layers:
-        layer.routing, layer.threshold = config.routing, config.route_threshold
-        layer.guard, layer.block_size = config.route_guard, config.route_block
+        layer.routing = config.routing
+        layer.threshold = config.route_threshold
+        layer.guard = config.route_guard
+        layer.block_size = config.route_block
     return config
 
 
@@ -317,3 +278,44 @@ def mdlm_moe_loss(model, x, generator=None, base=diffusion_loss):
     balance = balance_loss(model)
     stats["balance"] = balance.detach() / len(moe_layers(model))
     return loss + model.config.balance_coef * balance, stats
+
+
+EXPERTS = Rule(integer=True, lo=1, hi=4096)
+MOE_RULES = {"n_experts": EXPERTS, "moe_top_k": EXPERTS, "shared_expert": bool, "balance_coef": WEIGHT,
+             "route_block": SIZE, "route_threshold": MASS, "route_guard": EXPERTS, "route_mask_vote": POSITIVE}
+
+
+def check_routing(routing, guard, top_k, n_experts):
+    """What MOE_RULES cannot say alone: the settings against each other."""
+    if not top_k <= n_experts:
+        raise UserError(f"need 1 <= top_k <= n_experts, got top_k {top_k} with {n_experts} experts")
+    if routing not in ROUTINGS:
+        raise UserError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    if not top_k <= guard <= n_experts:
+        raise UserError(f"the guard must lie in [top_k, n_experts] = [{top_k}, {n_experts}] (a token "
+                        f"needs {top_k} experts in its block's coreset), got {guard}")
+
+
+def check_moe_model(config):
+    if not isinstance(config, MoEConfig):
+        raise UserError(f"MoETransformer needs a MoEConfig (see moe_config), got {type(config).__name__}")
+    if config.expert_format != "float":
+        raise UserError(f"this config's experts are packed {config.expert_format}: build the model with "
+                        "tinydiff.fp4.moe_model(config), as load_model does")
+    if config.causal and config.routing == "block":  # the model's attention: a layer's config need not know it
+        raise UserError(CAUSAL_ROUTING)
+
+
+def check_block_routing(scores, top_k: int, block_size: int, threshold: float, guard: int):
+    """block_routing's arguments, for a caller that does not come through MoEConfig's checks."""
+    if scores.dim() != 3:
+        raise UserError(f"scores must have shape (B, T, E), got {tuple(scores.shape)}")
+    E = scores.shape[-1]
+    if not 1 <= top_k <= E or not 1 <= guard <= E or block_size < 1 or not 0 < threshold <= 1:
+        raise UserError(f"need 1 <= top_k, guard <= E ({E}), block_size >= 1, threshold in (0, 1]; got "
+                        f"top_k {top_k}, guard {guard}, block_size {block_size}, threshold {threshold}")
+
+
+def check_coreset(coreset, top_k: int):
+    if int(coreset.sum(-1).min()) < top_k:
+        raise UserError(f"every coreset needs >= top_k ({top_k}) experts; raise the guard")

@@ -60,9 +60,12 @@ from tinydiff.dmoe import MoEConfig, MoEFeedForward, MoETransformer, dispatch, m
 FORMATS = ("mxfp4", "nvfp4")
 STANDARD_BLOCK = {"mxfp4": 32, "nvfp4": 16}  # the block size each format's spec fixes
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0..7; code | 8 is the negative
-E2M1_MAX, E2M1_EMAX = 6.0, 2  # the largest magnitude, and the exponent of the largest power of two in it
-E8M0_BIAS, E8M0_NAN = 127, 255
-E4M3_MAX, E4M3_MIN = 448.0, 2.0 ** -6  # NVFP4's block scales: the largest E4M3 and its smallest normal
+E2M1_MAX = 6.0  # the largest magnitude
+E2M1_EMAX = 2  # the exponent of the largest power of two in it, 4
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E4M3_MAX = 448.0  # NVFP4's block scales: the largest E4M3 ...
+E4M3_MIN = 2.0 ** -6  # ... and its smallest normal
 # The midpoint between magnitudes i and i + 1. A value exactly on it goes to the even code: up when
 # i is odd (0.75 -> 1.0, code 2), down when i is even (0.25 -> 0, 1.25 -> 1.0, 5 -> 4).
 MIDPOINTS = tuple((lo + hi) / 2 for lo, hi in zip(E2M1, E2M1[1:]))
@@ -152,20 +155,6 @@ class Packed:
         return out.flatten(-2).to(dtype)
 
 
-def check_format(fmt: str, block_size: int, widths: dict):
-    """Before any work: a known format, and a block size that divides every input width (name -> size)."""
-    if fmt not in FORMATS:
-        raise UserError(f"unknown FP4 format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= 4096 \
-            or block_size % 2:
-        raise UserError(f"the FP4 block size must be an even number from 2 to 4096 (the {fmt} standard: "
-                        f"{STANDARD_BLOCK[fmt]}), got {block_size!r}")
-    for name, width in widths.items():
-        if width % block_size:
-            raise UserError(f"the {fmt} block size {block_size} does not divide the input width {name} = {width} "
-                            f"(blocks run along it); pick a block size that divides it")
-
-
 def quantize(w: torch.Tensor, fmt: str = "mxfp4", block_size: int | None = None) -> Packed:
     """w (..., K), blocks along the last dimension (nn.Linear's input) -> Packed. NVFP4's tensor scale
     is one per matrix (the last two dimensions), so stacked experts (E, F, D) get one each."""
@@ -218,7 +207,8 @@ class PackedWeights(nn.Module):
 
     def __init__(self, n: int, out_features: int, in_features: int, fmt: str, block_size: int):
         super().__init__()
-        self.format, self.block_size = fmt, block_size
+        self.format = fmt
+        self.block_size = block_size
         self.register_buffer("codes", torch.zeros(n, out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(n, out_features, in_features // block_size, dtype=torch.uint8))
         self.register_buffer("tensor_scale", torch.ones(n).view(torch.int32) if fmt == "nvfp4" else None)
@@ -266,7 +256,8 @@ class QuantizedSwiGLU(nn.Module):
 
     def __init__(self, n: int, d_model: int, d_ff: int, fmt: str, block_size: int):
         super().__init__()
-        self.n, self.format = n, fmt
+        self.n = n
+        self.format = fmt
         self.gate = PackedWeights(n, d_ff, d_model, fmt, block_size)
         self.up = PackedWeights(n, d_ff, d_model, fmt, block_size)
         self.down = PackedWeights(n, d_model, d_ff, fmt, block_size)
@@ -323,26 +314,21 @@ class QuantizedMoEFeedForward(MoEFeedForward):
 
 class QuantizedMoETransformer(MoETransformer):
     """MoETransformer whose MoE layers hold their experts packed (config.expert_format mxfp4 / nvfp4)."""
-    feed_forward = QuantizedMoEFeedForward
 
-    def __init__(self, config: MoEConfig):  # the blocks run along d_model (gate, up) and expert_d_ff (down)
-        check_format(config.expert_format, config.expert_block, {"d_model": config.d_model,
-                                                                 "expert_d_ff": config.expert_d_ff})
-        super().__init__(config)
+    def __init__(self, config: MoEConfig):
+        widths = {"d_model": config.d_model, "expert_d_ff": config.expert_d_ff}  # gate and up's inputs, down's
+        check_format(config.expert_format, config.expert_block, widths)
+        super().__init__(replace(config, expert_format="float"))  # attention, routers, norms: the float model's
+        self.config = config
+        for block in self.blocks:
+            packed = QuantizedMoEFeedForward(config)  # zeros until stored or loaded
+            packed.router = block.ffn.router  # initialised as the float model's
+            block.ffn = packed
 
 
 def moe_model(config: MoEConfig) -> MoETransformer:
     """The mixture-of-experts model a config describes: packed experts or float ones."""
     return (MoETransformer if config.expert_format == "float" else QuantizedMoETransformer)(config)
-
-
-def check_finite(layers):
-    """Before any work: every expert weight is a number (quantize would refuse it mid-way)."""
-    for i, layer in enumerate(layers):
-        for name, p in layer.named_parameters():
-            if name.startswith(("experts.", "shared.")) and not bool(torch.isfinite(p).all()):
-                raise UserError(f"MoE layer {i}: {name} holds NaN or inf, which FP4 cannot store; use an "
-                                "earlier checkpoint, or train again with a lower --lr")
 
 
 def quantize_experts(model: MoETransformer, fmt: str = "mxfp4", block_size: int | None = None) -> MoETransformer:
@@ -382,3 +368,26 @@ def dequantized_copy(model: MoETransformer) -> MoETransformer:
                     for name in PROJECTIONS:
                         getattr(expert, name).weight.copy_(getattr(stack, name).weight(e, weight.dtype))
     return plain.train(model.training)
+
+
+def check_format(fmt: str, block_size: int, widths: dict):
+    """Before any work: a known format, and a block size that divides every input width (name -> size)."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown FP4 format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    is_int = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not is_int or not 2 <= block_size <= 4096 or block_size % 2:
+        raise UserError(f"the FP4 block size must be an even number from 2 to 4096 (the {fmt} standard: "
+                        f"{STANDARD_BLOCK[fmt]}), got {block_size!r}")
+    for name, width in widths.items():
+        if width % block_size:
+            raise UserError(f"the {fmt} block size {block_size} does not divide the input width {name} = {width} "
+                            f"(blocks run along it); pick a block size that divides it")
+
+
+def check_finite(layers):
+    """Before any work: every expert weight is a number (quantize would refuse it mid-way)."""
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if name.startswith(("experts.", "shared.")) and not bool(torch.isfinite(p).all()):
+                raise UserError(f"MoE layer {i}: {name} holds NaN or inf, which FP4 cannot store; use an "
+                                "earlier checkpoint, or train again with a lower --lr")

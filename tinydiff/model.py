@@ -8,12 +8,11 @@ Attention is one of three kinds, chosen per call:
   - bidirectional (the masked-diffusion LM: every position sees every position),
   - an explicit boolean mask with explicit position ids, for block-causal and tree attention
     (without gradients, where Triton runs: the flash kernel of tinydiff/kernels/masked_attention.py).
-A `KVCache` holds past keys/values for incremental decoding in buffers of the whole context (gpt-fast's
-static cache, so a compiled step keeps its shapes), with `crop(n)` and `keep(rows)` to roll back or compact
-after speculative verification. `forward` does the host's part (checks, the rows a call writes, the cache's
-length) around `step`, the arithmetic. `hidden_layers=` returns the residual stream after chosen blocks
-(0 = the embeddings, i = after block i), which DFlash and EAGLE read.
-
+A `KVCache` holds past keys/values for incremental decoding in buffers of the whole context (gpt-fast's static cache,
+so a compiled step keeps its shapes), with `crop(n)` and `keep(rows)` to roll back or compact after speculative
+verification. `forward` does the host's part (checks, the rows a call writes, the cache's length) around `step`, the
+arithmetic. `hidden_layers=` returns the residual stream after chosen blocks (0 = the embeddings, i = after block i),
+which DFlash and EAGLE read.
 Leaves out: dropout (small models on small data, short runs), GQA, sliding windows.
 Follows nanoGPT's model.py and llama2.c's model.py in structure.
 """
@@ -113,16 +112,27 @@ def apply_rope(x, cos, sin):
     return out.flatten(-2).type_as(x)
 
 
+def heads(y, n_head: int, cos=None, sin=None):
+    """A projection y (B, T, D) as n_head heads (B, H, T, D/H), rotated by RoPE when given cos, sin."""
+    B, T, _ = y.shape
+    y = y.view(B, T, n_head, -1).transpose(1, 2)  # (B, H, T, D/H)
+    return y if cos is None else apply_rope(y, cos, sin)
+
+
+def residual_init_(weight, n_layer: int):
+    """GPT-2's init of a residual write: N(0, 0.02 / sqrt(2 * n_layer)), the stream's variance kept over depth."""
+    nn.init.normal_(weight, std=0.02 / math.sqrt(2 * n_layer))
+
+
 class KVCache:
     """Keys and values of the positions seen so far, in buffers as long as the model's context.
 
-    gpt-fast's static cache: a forward writes its T new rows in place, at row indices held in a tensor
-    (`rows`), and attention reads every row behind a mask that shows the valid ones. So a step's shapes
-    depend only on T, never on how long the sequence is, and compiling it takes a few lines
-    (tinydiff/fast/compiled.py). `length` counts the valid rows; it is host bookkeeping, read only
-    outside a step. Speculative decoding writes drafts and rolls back: `crop(n)` keeps the first n
-    rows, `keep(rows)` moves the chosen rows (in order) to the front (DDTree keeps a tree's accepted
-    path so). What lies past `length` is junk no mask shows; the next write replaces it.
+    gpt-fast's static cache: a forward writes its T new rows in place, at row indices held in a tensor (`rows`), and
+    attention reads every row behind a mask that shows the valid ones. So a step's shapes depend only on T, never
+    on how long the sequence is, and compiling it takes a few lines (tinydiff/fast/compiled.py). `length` counts
+    the valid rows; it is host bookkeeping, read only outside a step. Speculative decoding writes drafts and rolls
+    back: `crop(n)` keeps the first n rows, `keep(rows)` moves the chosen rows (in order) to the front (DDTree
+    keeps a tree's accepted path so). What lies past `length` is junk no mask shows; the next write replaces it.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, device, dtype=torch.float32):
@@ -183,20 +193,16 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """q, k, v (B, H, T, D/H) of x (B, T, D), RoPE applied to q and k."""
-        B, T, _ = x.shape
-        q, k, v = (w(x).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = heads(self.wq(x), self.n_head, cos, sin)
+        k = heads(self.wk(x), self.n_head, cos, sin)
+        return q, k, heads(self.wv(x), self.n_head)
 
     def forward(self, x, cos, sin, mask, is_causal, cache, rows, layer):
         B, T, D = x.shape
         q, k, v = self.project(x, cos, sin)  # (B, H, T, D/H)
         if cache is not None:
             k, v = cache.write(layer, rows, k, v)  # (B, H, C, D/H): every row; the mask shows the valid ones
-        if mask is not None and kernels.for_inference(q):  # skips key tiles the mask hides; no backward
-            from tinydiff.kernels.masked_attention import masked_attention  # lazily: see kernels/__init__.py
-            y = masked_attention(q, k, v, mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = kernels.attention(q, k, v, mask, is_causal)  # (B, H, T, D/H): torch's, or the masked flash kernel
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -229,8 +235,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.d_model % config.n_head or (config.d_model // config.n_head) % 2:
-            raise UserError(f"d_model {config.d_model} must split into {config.n_head} heads of even size")
+        check_heads(config.d_model, config.n_head)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -240,8 +245,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "down.weight")):  # GPT-2: residual writes scaled by depth
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+            if name.endswith(("wo.weight", "down.weight")):  # the residual writes
+                residual_init_(p, config.n_layer)
         with torch.no_grad():  # padded after the init, so the random draws are as without: zero rows, never read
             pad = padded_vocab(config.vocab_size) - config.vocab_size
             self.embed = nn.Embedding.from_pretrained(F.pad(self.embed.weight, (0, 0, 0, pad)), freeze=False)
@@ -261,23 +266,19 @@ class Transformer(nn.Module):
         weight = self.embed.weight
         return KVCache(self.config, batch_size, device or weight.device, dtype or weight.dtype)
 
-    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0,
-                head_at=None):
+    def forward(self, idx, *, pos=None, mask=None, causal=None, cache=None, hidden_layers=None, head_from=0):
         """Logits (B, T, V) for token ids idx (B, T).
 
-        pos: position ids (T,) or (B, T); default the rows they are written to (cache.length + arange(T)),
-            or arange(T). Given, without a cache, T may pass the context (block diffusion reads a window
-            twice at the same positions).
+        pos: position ids (T,) or (B, T); default the rows they are written to (cache.length + arange(T)), or
+            arange(T). Given, without a cache, T may pass the context (block diffusion reads a window twice).
         mask: bool (T, S) or (B, T, S), True = may attend, S = cached rows + T. Overrides `causal`.
         causal: without a mask, causal (True) or bidirectional (False); default config.causal.
         cache: a KVCache; the new keys/values are written after its valid rows and its length advanced by T.
         hidden_layers: if given, also return [residual stream after block i for i in hidden_layers].
-        head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a
-            small model's cost, and block diffusion scores only the second half of what it reads.
-        head_at: logits for one position per row only, (B, 1, V): an int, or a (B,) tensor of each
-            row's own (a left-to-right sampler reads one position).
+        head_from: logits for positions head_from.. only, (B, T - head_from, V): the head is most of a small
+            model's cost (block diffusion scores the second half of what it reads; T: hidden states only).
         """
-        B, T = idx.shape
+        T = idx.shape[1]
         past = cache.length if cache is not None else 0
         if (cache is not None or pos is None) and past + T > self.config.context:  # explicit pos: any length
             raise UserError(f"sequence of {past + T} tokens exceeds the model's context of {self.config.context}")
@@ -293,18 +294,18 @@ class Transformer(nn.Module):
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=idx.device)
             if mask is not None:  # over all the cache's rows: those past the new ones stay hidden
                 mask = F.pad(mask, (0, cache.capacity - past - T), value=False)
-        out = self.step(idx, pos, mask, cache, rows, causal and mask is None and cache is None, hidden_layers,
-                        head_from, head_at)
+        is_causal = causal and mask is None and cache is None
+        out = self.step(idx, pos, mask, cache, rows, is_causal, hidden_layers, head_from)
         if cache is not None:
             cache.advance(T)
         return out
 
-    def step(self, idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0, head_at=None):
-        """The forward's arithmetic, on tensors only, never the cache's host `length`: what
-        tinydiff/fast/compiled.py compiles. With a cache and no mask it reads causally: the token written
-        at row r sees rows 0..r (rows are positions in a chain). mask: (T, C) or (B, T, C) over the cache's
-        rows (C = capacity), or (T, T) without a cache; is_causal: no mask, no cache, causal."""
-        B, T = idx.shape
+    def step(self, idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0):
+        """The forward's arithmetic, on tensors only, never the cache's host `length`: what fast/compiled.py
+        compiles. With a cache and no mask it reads causally: the token written at row r sees rows 0..r (rows
+        are positions in a chain). mask: (T, C) or (B, T, C) over the cache's rows (C = capacity), or (T, T)
+        without a cache; is_causal: no mask, no cache, causal."""
+        T = idx.shape[1]
         if pos is None:
             pos = rows if rows is not None else torch.arange(T, device=idx.device)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, D/2) or (B, T, D/2)
@@ -320,15 +321,14 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, mask, is_causal, cache, rows, i)
             if i + 1 in taps:
                 hidden[i + 1] = x
-        if head_at is None:
-            x = x[:, head_from:]
-        elif isinstance(head_at, int):  # one position per row: the same for all ...
-            x = x[:, head_at:head_at + 1]
-        else:  # ... or each row's own (B,)
-            x = x[torch.arange(B, device=x.device), head_at][:, None]
-        logits = self.logits(x)  # (B, T - head_from or 1, V)
+        logits = self.logits(x[:, head_from:])  # (B, T - head_from, V)
         return logits if hidden_layers is None else (logits, [hidden[i] for i in hidden_layers])
 
     def logits(self, x):
         """The tied head on residual streams x (..., D) after the last block: logits (..., V)."""
         return tied_head(self.norm(x), self.embed.weight, self.config.vocab_size)
+
+
+def check_heads(d_model: int, n_head: int):  # RoPE rotates each head's dimensions in pairs
+    if d_model % n_head or (d_model // n_head) % 2:
+        raise UserError(f"d_model {d_model} must split into {n_head} heads of even size")

@@ -62,17 +62,9 @@ def propose(logits, temperature: float, remasking: str, generator=None):
     argmax(logits/T + Gumbel) is argmax(exp(logits) / (-log u)^T), LLaDA's form, computed as
     argmax(softmax(logits / T) / -log u): one logarithm per id instead of two, and at T = 1 the
     softmax is the confidence's too. Noise and probabilities in float64: float32 Gumbel noise has
-    visible ties.
-    Where Triton runs (and no gradients), low_confidence is one fused pass over the vocabulary
-    (tinydiff/kernels/sampler_step.py) on the same uniforms: the same tokens, and the (N, V)
-    float64 logits, scores and probabilities are never written.
+    visible ties. (Where Triton runs, the samplers take sampler_step.fused_propose for low_confidence:
+    one pass over the vocabulary on the same uniforms, so the same tokens; see pick_proposer.)
     """
-    if remasking == "low_confidence" and kernels.for_inference(logits):
-        from tinydiff.kernels.sampler_step import sampler_step  # lazily: see kernels/__init__.py
-        u = None  # the uniforms drawn below: same generator, shape and dtype, so the same tokens
-        if temperature > 0:
-            u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
-        return sampler_step(logits, temperature, u)
     logits = subs_logits(logits).double()  # (N, V)
     probs = None
     if temperature > 0:
@@ -112,16 +104,16 @@ def entropy_bound_count(entropy, bound: float) -> int:
 
 
 def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, temperature: float,
-           remasking: str, generator, confidences, entropy_bound: float | None = None):
+           remasking: str, generator, confidences, entropy_bound: float | None = None, proposer=propose):
     """One step on the block canvas[lo:lo+N] given its logits (N, V): commit tokens in place.
 
     Commits the `count` most confident masked positions; with a threshold, all masked positions at
     or above it (at least one); with an entropy bound, the longest most-confident run whose
     entropies fit under it (at least one). Records each committed position's confidence; returns
-    the committed positions (absolute indices).
+    the committed positions (absolute indices). proposer: propose, or its fused kernel (pick_proposer).
     """
     masked = (canvas[lo:lo + len(logits)] == MASK).nonzero()[:, 0]  # (n,): committed tokens never move
-    candidates, confidence = propose(logits[masked], temperature, remasking, generator)  # (n,) each
+    candidates, confidence = proposer(logits[masked], temperature, remasking, generator)  # (n,) each
     ranked = torch.argsort(confidence, descending=True, stable=True)  # most confident first
     if threshold is not None:
         count = max(1, int((confidence >= threshold).sum()))
@@ -133,36 +125,6 @@ def commit(canvas, lo: int, logits, count: int | None, threshold: float | None, 
     return (lo + masked[chosen]).tolist()
 
 
-def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold,
-               entropy_bound=None):
-    """Validate sampler arguments; return (number of blocks, steps per block)."""
-    check_prompt(prompt, model.config.context, gen_length)
-    if block_length < 1 or gen_length % block_length:
-        raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
-    blocks = gen_length // block_length
-    if steps < blocks or steps % blocks or steps > gen_length:
-        raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
-                        f"gen length {gen_length} (one token per step)")
-    check_warp_args(temperature, None, None)
-    check_rule(remasking, threshold, entropy_bound)
-    return blocks, steps // blocks
-
-
-def check_rule(remasking, threshold, entropy_bound):
-    """The order a step ranks positions in, and what decides how many it commits: what `commit` reads."""
-    if remasking not in REMASKING:
-        raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
-    if threshold is not None and not 0 < threshold <= 1:
-        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
-    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
-        raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
-                        f"got {entropy_bound}")
-    if threshold is not None and remasking == "left_to_right":
-        raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
-    if threshold is not None and entropy_bound is not None:
-        raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")
-
-
 def block_causal_mask(block_ids):
     """(T, T) bool: position i sees j when j's block is not after i's."""
     return block_ids[None, :] <= block_ids[:, None]
@@ -172,7 +134,9 @@ class Trace:
     """Counts forwards and reports every step to an optional callback(event dict; confidences: read it at once)."""
 
     def __init__(self, callback):
-        self.callback, self.forwards, self.start = callback, 0, time.perf_counter()
+        self.callback = callback
+        self.forwards = 0
+        self.start = time.perf_counter()
 
     def step(self, canvas, block, committed, **more):
         if self.callback is not None:
@@ -184,7 +148,7 @@ class Trace:
 
 
 def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_steps: int, trace, temperature,
-               remasking, threshold, entropy_bound, generator, confidences):
+               remasking, threshold, entropy_bound, generator, confidences, proposer=propose):
     """Block b (canvas[lo:lo+block_length]) filled, one forward a step (block_logits(lo) -> (N, V)): LLaDA's
     schedule, or with a threshold or entropy bound as many a step as pass it, until no MASK is left."""
     schedule = commit_schedule(block_length, block_steps)
@@ -192,7 +156,7 @@ def fill_block(canvas, b: int, lo: int, block_length: int, block_logits, block_s
     while (canvas[lo:lo + block_length] == MASK).any():
         count = schedule[step] if step < block_steps else None  # None only with a threshold or bound
         committed = commit(canvas, lo, block_logits(lo), count, threshold, temperature, remasking, generator,
-                           confidences, entropy_bound)
+                           confidences, entropy_bound, proposer)
         trace.step(canvas, b, committed, confidences=confidences)
         step += 1
 
@@ -234,28 +198,34 @@ def generate(model, prompt, gen_length=64, steps=64, block_length=32, temperatur
         first = lo - model.config.shift  # the output that predicts position lo
         return logits[first:first + block_length]  # positions after the block are never committed
 
+    proposer = pick_proposer(remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
-                   remasking, threshold, entropy_bound, generator, confidences)
+                   remasking, threshold, entropy_bound, generator, confidences, proposer)
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
 
 
-def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int, at=None):
+def prefix_block_mask(start: int, lo: int, prompt_length: int, block_length: int, device=None):
+    """(n, start + n) bool for the positions start..lo+block_length over a cache of `start` rows: every
+    cached row, then block-causal among the n new ones (the prompt is one block)."""
+    position = torch.arange(start, lo + block_length, device=device)
+    block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
+    cached = torch.ones(len(block_ids), start, dtype=torch.bool, device=device)
+    return torch.cat([cached, block_causal_mask(block_ids)], 1)
+
+
+def prefix_cached_logits(model, canvases, cache, lo: int, prompt_length: int, block_length: int):
     """Logits (S, N, V) that predict the block canvases[:, lo:lo+N] (S canvases (S, L) that agree
     before lo; `cache` holds S rows): one forward of the finished positions the cache lacks, then
     the block, block-causal against the cached prefix. The cache then keeps the rows of the finished
-    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one).
-    at: only the logits that predict block position `at` (an int, or (S,) one per canvas), (S, 1, V)."""
-    shift, start = int(model.config.shift), cache.length  # finished positions not yet cached, then the block
-    position = torch.arange(start, lo + block_length, device=canvases.device)
-    block_ids = (position - prompt_length).div(block_length, rounding_mode="floor").clamp(min=-1)  # the prompt: -1
-    mask = torch.cat([torch.ones(len(block_ids), start, dtype=torch.bool, device=canvases.device),
-                      block_causal_mask(block_ids)], 1)  # (n, start + n): prefix, then block-causal
+    positions, up to lo - shift (generate_cached's forward; self_speculative.py's batched one)."""
+    shift = int(model.config.shift)
+    start = cache.length  # finished positions not yet cached, then the block
+    mask = prefix_block_mask(start, lo, prompt_length, block_length, canvases.device)  # (n, start + n)
     first = lo - shift - start  # the output that predicts position lo
-    one = {} if at is None else {"head_at": first + at}  # only then: a compiled step (compiled.py) takes no head_at
-    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache, **one)  # (S, n or 1, V)
+    logits = model(canvases[:, start:lo + block_length], mask=mask, cache=cache)  # (S, n, V)
     cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
-    return logits if at is not None else logits[:, first:first + block_length]
+    return logits[:, first:first + block_length]
 
 
 @torch.no_grad()
@@ -284,7 +254,47 @@ def generate_cached(model, prompt, gen_length=64, steps=64, block_length=32, tem
         trace.forwards += 1
         return prefix_cached_logits(model, canvas[None], cache, lo, P, block_length)[0]
 
+    proposer = pick_proposer(remasking, canvas)  # propose, or its fused kernel where Triton runs
     for b in range(blocks):
         fill_block(canvas, b, P + b * block_length, block_length, block_logits, block_steps, trace, temperature,
-                   remasking, threshold, entropy_bound, generator, confidences)
+                   remasking, threshold, entropy_bound, generator, confidences, proposer)
     return canvas[P:].tolist(), trace.result(gen_length, canvas.device)
+
+
+def pick_proposer(remasking: str, x):
+    """The samplers' proposal on x's device: propose, or for low_confidence where kernels.for_inference(x),
+    kernels/sampler_step.py's fused_propose (propose's tokens, in one pass over the vocabulary)."""
+    if remasking != "low_confidence" or not kernels.for_inference(x):
+        return propose
+    from tinydiff.kernels.sampler_step import fused_propose  # lazily: see kernels/__init__.py
+    return fused_propose
+
+
+def check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, threshold,
+               entropy_bound=None):
+    """Validate sampler arguments; return (number of blocks, steps per block)."""
+    check_prompt(prompt, model.config.context, gen_length)
+    if block_length < 1 or gen_length % block_length:
+        raise UserError(f"gen length {gen_length} must be a multiple of the block length {block_length}")
+    blocks = gen_length // block_length
+    if steps < blocks or steps % blocks or steps > gen_length:
+        raise UserError(f"steps {steps} must be a multiple of the number of blocks ({blocks}) and at most the "
+                        f"gen length {gen_length} (one token per step)")
+    check_warp_args(temperature, None, None)
+    check_rule(remasking, threshold, entropy_bound)
+    return blocks, steps // blocks
+
+
+def check_rule(remasking, threshold, entropy_bound):
+    """The order a step ranks positions in, and what decides how many it commits: what `commit` reads."""
+    if remasking not in REMASKING:
+        raise UserError(f"remasking must be one of {', '.join(REMASKING)}, got {remasking!r}")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise UserError(f"threshold must lie in (0, 1], got {threshold}")
+    if entropy_bound is not None and not 0 <= entropy_bound < float("inf"):
+        raise UserError(f"entropy bound must be a finite number of nats >= 0 (0 = one token per step), "
+                        f"got {entropy_bound}")
+    if threshold is not None and remasking == "left_to_right":
+        raise UserError("a threshold compares confidences, and left_to_right ranks by position: use an entropy bound")
+    if threshold is not None and entropy_bound is not None:
+        raise UserError("pass a threshold or an entropy bound, not both: each decides how many tokens a step commits")

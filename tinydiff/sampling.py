@@ -1,9 +1,8 @@
 """Turning logits into tokens: temperature, top-k and top-p warping, and seeded sampling.
 
-Every decoding method warps its distributions through `warp` so that a draft and a target are
-warped identically (speculative sampling is lossless only for the distributions it compares).
-Temperature 0 is greedy decoding written as a distribution: all mass on the argmax (first index
-on ties), so greedy and sampled decoding run through the same code.
+Every decoding method warps its distributions through `warp` so that a draft and a target are warped identically
+(speculative sampling is lossless only for the distributions it compares). Temperature 0 is greedy decoding written as
+a distribution: all mass on the argmax (first index on ties), so greedy and sampled decoding run through the same code.
 `residual` is what speculative sampling draws from after it rejects a draft token.
 Leaves out: repetition penalties, min-p, typical sampling.
 """
@@ -12,15 +11,6 @@ import torch
 from tinydiff.checks import UserError
 from tinydiff.model import wide
 from tinydiff.tokenizer import MASK
-
-
-def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
-    if not 0 <= temperature < float("inf"):  # NaN fails too: it would turn every probability into NaN
-        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise UserError(f"top-p must lie in (0, 1] (or be unset), got {top_p}")
 
 
 def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
@@ -43,15 +33,18 @@ def warp(logits, temperature: float = 1.0, top_k: int | None = None, top_p: floa
     return probs
 
 
-def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """Warped next-token probabilities (..., V) of a language model: MASK is never generated.
-
-    Only the diffusion models use MASK, as an input; tiny test models may not have the id at all.
-    """
+def forbid_mask(logits, inplace: bool = False):
+    """logits (..., V) with MASK's logit at -inf: never sampled, drafted or predicted (only an input; tiny
+    test models may lack the id). A copy, or in place where the caller owns the logits (a copy costs time)."""
     if logits.shape[-1] > MASK:
-        logits = logits.clone()
+        logits = logits if inplace else logits.clone()
         logits[..., MASK] = float("-inf")
-    return warp(logits, temperature, top_k, top_p)
+    return logits
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Warped next-token probabilities (..., V) of a language model: MASK is never generated."""
+    return warp(forbid_mask(logits), temperature, top_k, top_p)
 
 
 def sample(probs, generator: torch.Generator | None = None):
@@ -69,9 +62,8 @@ def sample(probs, generator: torch.Generator | None = None):
 
 
 def inverse_cdf(probs, u):
-    """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id
-    whose float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled
-    graphs' (fast/fused_round.py, fused_steps.py, fused_dflash.py), which draw their uniforms before they run."""
+    """The ids (N,) that uniforms u (N, 1) in [0, 1) pick from probs (N, V) (any scale): the first id whose
+    float64 cumulative sum passes u times the row's total. `sample`'s draw, and the compiled graphs' (fast/)."""
     cdf = probs.double().cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)  # (N,)
 
@@ -79,10 +71,9 @@ def inverse_cdf(probs, u):
 def residual(p, q):
     """norm(max(0, p - q)) over the last dim of p, q (..., V): the correction after a rejection.
 
-    Accepting a draft x ~ q with probability min(1, p(x)/q(x)) yields token y with probability
-    min(p(y), q(y)); the rejection mass 1 - sum(min(p, q)) times this residual supplies the rest
-    of p. Where p == q nothing is ever rejected and the residual is never sampled: we return p
-    there so the result is still a distribution.
+    Accepting a draft x ~ q with probability min(1, p(x)/q(x)) yields token y with probability min(p(y), q(y)); the
+    rejection mass 1 - sum(min(p, q)) times this residual supplies the rest of p. Where p == q nothing is ever
+    rejected and the residual is never sampled: we return p there so the result is still a distribution.
     """
     r = (p - q).clamp_min(0)  # (..., V)
     mass = r.sum(-1, keepdim=True)  # (..., 1)
@@ -90,13 +81,9 @@ def residual(p, q):
 
 
 def draftable(logits):
-    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted, as
-    next_token_probs never generates it."""
-    logits = logits.to(wide(logits.dtype))
-    if logits.shape[-1] > MASK:
-        logits = logits.clone()
-        logits[..., MASK] = float("-inf")
-    return logits
+    """Float32 (float64 stays float64) logits (..., V) with MASK at -inf: never drafted (forbid_mask)."""
+    return forbid_mask(logits.to(wide(logits.dtype)))
+
 
 def without_mask(x):
     """x (..., V) without the MASK column, which is never a label (p = 0) and never drafted."""
@@ -104,14 +91,24 @@ def without_mask(x):
         return x
     return x[..., :MASK] if x.shape[-1] == MASK + 1 else torch.cat([x[..., :MASK], x[..., MASK + 1:]], -1)
 
+
 def soft_ce(logits, p):
-    """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in
-    `draftable`, against the distribution p (..., V): logsumexp(z) - <p, z> (p sums to 1), which
-    never materialises log q, a saving on 50,258-wide rows."""
+    """Cross-entropy -sum_v p_v log q_v of q = softmax(logits) (..., V), MASK left out as in `draftable`, against
+    the distribution p (..., V): logsumexp(z) - <p, z> (p sums to 1), never materialising log q (50,258 wide)."""
     z, p = without_mask(logits.to(wide(logits.dtype))), without_mask(p)
     return torch.logsumexp(z, -1) - (p * z).sum(-1)
+
 
 def tempered_ce(logits, target_logits, temperature: float):
     """H(p_T, q_T) per position (...): p_T the target's distribution as the sampler warps it at
     `temperature` (> 0), q_T the draft's logits read at the same temperature."""
     return soft_ce(logits / temperature, next_token_probs(target_logits, temperature))
+
+
+def check_warp_args(temperature: float, top_k: int | None, top_p: float | None):
+    if not 0 <= temperature < float("inf"):  # NaN fails too: it would turn every probability into NaN
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top-k must be >= 1 (or unset), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top-p must lie in (0, 1] (or be unset), got {top_p}")

@@ -15,7 +15,7 @@ from stats_helpers import (
 )
 
 from tinydiff.checks import UserError
-from tinydiff.extras.drafted_diffusion import ar_drafted_generate
+from tinydiff.extras.drafted_diffusion import ar_drafted_generate, logits_at
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampler import generate_cached, prefix_cached_logits
 from tinydiff.tokenizer import MASK
@@ -116,14 +116,14 @@ def test_samples_follow_the_left_to_right_joint(case):
 
 
 @torch.no_grad()
-def test_the_head_at_one_position_per_canvas_is_the_full_forward_s(peaked):
+def test_logits_at_one_position_per_canvas_is_the_full_forward_s(peaked):
     P, lo, N = len(PROMPT), len(PROMPT) + 8, 8
     canvases = torch.tensor(PROMPT + list(range(7, 15)) + [MASK] * N).repeat(3, 1)  # (3, L): block 2 open
     canvases[1, lo:lo + 2] = torch.tensor([5, 6])
     full = prefix_cached_logits(peaked, canvases, peaked.new_cache(3), lo, P, N)  # (3, N, V)
     at = torch.tensor([0, 2, 5])
-    assert_same(prefix_cached_logits(peaked, canvases, peaked.new_cache(3), lo, P, N, at=at)[:, 0], full[[0, 1, 2], at])
-    assert_same(prefix_cached_logits(peaked, canvases, peaked.new_cache(3), lo, P, N, at=4)[:, 0], full[:, 4])
+    assert_same(logits_at(peaked, canvases, peaked.new_cache(3), lo, P, N, at)[:, 0], full[[0, 1, 2], at])
+    assert_same(logits_at(peaked, canvases, peaked.new_cache(3), lo, P, N, 4)[:, 0], full[:, 4])
 
 
 def test_bad_input_gets_a_one_line_error(draft):

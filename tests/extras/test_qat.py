@@ -18,7 +18,7 @@ from tinydiff.checks import UserError
 from tinydiff.dmoe import MoEConfig, MoETransformer, balance_loss, moe_layers
 from tinydiff.extras import qat
 from tinydiff.extras.ar_moe import ar_moe_config
-from tinydiff.extras.qat import fake_quantize_experts, matching_loss, straight_through
+from tinydiff.extras.qat import FakeQuantizedMoEFeedForward, fake_quantize_experts, matching_loss, straight_through
 from tinydiff.fp4 import quantize_experts
 from tinydiff.io.checkpoint import load_checkpoint, save_checkpoint
 from tinydiff.train.run_config import migrate
@@ -64,7 +64,7 @@ def test_train_qat_fine_tunes_records_resumes_and_refuses(story_file, tmp_path):
     before = load_checkpoint(tmp_path / "full" / "ckpt.pt")["model"]
     assert any(not torch.equal(w, before[k]) for k, w in ckpt["model"].items() if ".ffn.experts." in k)  # trained
     resumed = build_model(migrate(ckpt["args"], "ckpt"), "cpu", ckpt, "ckpt")  # as train.py --resume builds it
-    assert all(layer.weight_view is not None for layer in moe_layers(resumed))
+    assert all(isinstance(layer, FakeQuantizedMoEFeedForward) for layer in moe_layers(resumed))
     # 32-value blocks do not divide 48; a dense model has no experts
     for extra, message in ((["--qat", "mxfp4"], "does not divide the input width expert_d_ff = 48"),
                            (["--qat", "nvfp4", "--model", "mdlm"], "--qat fake-quantizes the experts")):

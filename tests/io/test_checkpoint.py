@@ -99,6 +99,26 @@ def test_unknown_config_field_and_wrong_kind(tmp_path, tiny_model, tiny_config):
         load_model(tmp_path / "d.pt")
 
 
+def test_a_moe_checkpoint_with_the_retired_router_score_loads(tmp_path):
+    """MoEConfig.score ("softmax" in every run; "sigmoid" was removed) is dropped on load; another value
+    is a field this code does not know."""
+    from tinydiff.dmoe import MoEConfig, MoETransformer
+    config = MoEConfig(context=16, n_layer=1, n_head=2, d_model=16, d_ff=32, n_experts=4, moe_top_k=2, causal=False)
+    model = MoETransformer(config)
+    save_checkpoint(tmp_path / "m.pt", kind="mdlm-moe", config=config, model=model)
+    ckpt = load_checkpoint(tmp_path / "m.pt")
+    for score, loads in (("softmax", True), ("sigmoid", False)):
+        ckpt["config"]["score"] = score
+        torch.save(ckpt, tmp_path / "old.pt")
+        if loads:
+            loaded, _ = load_model(tmp_path / "old.pt")
+            x = torch.tensor([[5, 6, 7]])
+            assert loaded.config == config and torch.equal(loaded(x), model.eval()(x))
+        else:
+            with pytest.raises(UserError, match="score"):
+                load_model(tmp_path / "old.pt")
+
+
 def test_a_checkpoint_from_before_the_padding_loads_as_the_same_model_and_optimizer(tmp_path):
     """An embedding of the true vocabulary's rows (a checkpoint written before the head was padded, or an
     export) gets zero padding rows on load, and so do AdamW's moments of it: what an up-to-date run of the

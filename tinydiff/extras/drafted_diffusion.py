@@ -35,10 +35,27 @@ from tinydiff.checks import COUNT, UserError
 from tinydiff.extras.self_speculative import SelfSpeculated, row_view
 from tinydiff.io.checkpoint import DIFFUSION_KINDS, load_model
 from tinydiff.io.cli import run_main, story_parser, write_story
-from tinydiff.sampler import check_args, diffusion_lengths, prefix_cached_logits
+from tinydiff.sampler import check_args, diffusion_lengths, prefix_block_mask
 from tinydiff.sampling import next_token_probs
 from tinydiff.speculative import Tally, check_models, draft_round, verify
 from tinydiff.tokenizer import MASK
+
+
+def logits_at(model, canvases, cache, lo: int, prompt_length: int, block_length: int, at):
+    """sampler.prefix_cached_logits' logits (S, 1, V) for block position `at` only: an int, or (S,) one per
+    canvas. The forward returns the last block's residual stream and no logits (head_from past the end), and
+    the head runs on the S rows read: it is most of a small model's cost."""
+    shift = int(model.config.shift)
+    start = cache.length
+    end = lo + block_length
+    mask = prefix_block_mask(start, lo, prompt_length, block_length, canvases.device)  # (n, start + n)
+    _, (h,) = model(canvases[:, start:end], mask=mask, cache=cache, hidden_layers=[model.config.n_layer],
+                    head_from=end - start)  # h (S, n, D)
+    cache.crop(lo - shift)  # keep the finished positions' rows, drop the block's
+    row = lo - shift - start + at  # the output that predicts block position `at`
+    if isinstance(row, int):
+        return model.logits(h[:, row:row + 1])  # (S, 1, V)
+    return model.logits(h[torch.arange(len(h), device=h.device), row][:, None])
 
 
 def check_draft(model, draft, need: int, draft_positions: int):
@@ -78,7 +95,7 @@ def ar_drafted_generate(model, draft, prompt, gen_length=64, block_length=32, te
             for j in range(n):
                 chain[j + 1:, positions[j]] = tokens[j]
             view = row_view(cache, n + 1)
-            logits = prefix_cached_logits(model, chain, view, lo, P, block_length, at=positions[:n + 1] - lo)
+            logits = logits_at(model, chain, view, lo, P, block_length, positions[:n + 1] - lo)
             cache.length = view.length  # a block's first round adds the finished block's rows
             p = next_token_probs(logits[:, 0], *warp)  # (n + 1, V): canvas j's distribution at its open position
             kept, token = verify(p, q, tokens, generator)

@@ -22,10 +22,12 @@ targets for the diffusion MoE.
 from functools import partial
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from tinydiff import fp4
 from tinydiff.checks import UserError
-from tinydiff.dmoe import moe_layers
+from tinydiff.dmoe import MoEFeedForward, dispatch, moe_layers
 from tinydiff.extras.ar_moe import ar_moe_loss
 from tinydiff.extras.soft_labels import soft_ar_loss
 
@@ -35,6 +37,32 @@ def straight_through(w, fmt: str, block_size: int | None = None):
     with torch.no_grad():
         rounded = fp4.fake_quantize(w.detach(), fmt, block_size)
     return w + (rounded - w).detach()
+
+
+class FakeQuantizedExpert(nn.Module):
+    """A SwiGLU expert (model.FeedForward) computing with straight-through fq(w): its gate, up and down
+    are the float expert's own Linears, so the parameters and their state-dict names stay the same."""
+
+    def __init__(self, expert, fmt: str, block_size: int):
+        super().__init__()
+        self.gate = expert.gate
+        self.up = expert.up
+        self.down = expert.down
+        self.fmt = fmt
+        self.block_size = block_size
+
+    def forward(self, x):
+        gate, up, down = (straight_through(lin.weight, self.fmt, self.block_size)
+                          for lin in (self.gate, self.up, self.down))
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class FakeQuantizedMoEFeedForward(MoEFeedForward):
+    """A MoE layer whose experts are FakeQuantizedExperts: its routed experts always run dispatch's loop,
+    since the grouped kernel (kernels/moe_ffn.py) would read w, not fq(w)."""
+
+    def routed(self, flat, mix, chosen):
+        return dispatch(flat, mix, chosen, self.n_experts, lambda e, rows: self.experts[e](rows))
 
 
 def fake_quantize_experts(model, fmt: str, block_size: int | None = None):
@@ -48,8 +76,11 @@ def fake_quantize_experts(model, fmt: str, block_size: int | None = None):
     if config.expert_format != "float":
         raise UserError(f"--qat fine-tunes full-precision experts; this model's are packed {config.expert_format}. "
                         "Start from the full-precision checkpoint it came from")
-    for layer in layers:
-        layer.weight_view = partial(straight_through, fmt=fmt, block_size=block_size)
+    for layer in layers:  # a layer fake-quantized before gets the new format: the Linears are rewrapped
+        layer.experts = nn.ModuleList(FakeQuantizedExpert(expert, fmt, block_size) for expert in layer.experts)
+        if layer.shared is not None:
+            layer.shared = FakeQuantizedExpert(layer.shared, fmt, block_size)
+        layer.__class__ = FakeQuantizedMoEFeedForward  # the same module and parameters; its experts run the loop
     return model
 
 

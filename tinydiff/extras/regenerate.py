@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from tinydiff.checks import UserError
+from tinydiff.extras.drafted_diffusion import logits_at
 from tinydiff.io import progress
 from tinydiff.io.files import write_atomic
-from tinydiff.sampler import prefix_cached_logits
 from tinydiff.sampling import next_token_probs, sample
 from tinydiff.tokenizer import EOT, MASK
 
@@ -104,7 +104,7 @@ def continue_diffusion_batch(target, prompts: list[list[int]], temperature: floa
     cache = target.new_cache(len(prompts))
     for lo in range(P, P + gen_length, block_length):
         for i in range(lo, lo + block_length):
-            logits = prefix_cached_logits(target, canvas, cache, lo, P, block_length, at=i - lo)[:, 0]  # (rows, V)
+            logits = logits_at(target, canvas, cache, lo, P, block_length, i - lo)[:, 0]  # (rows, V)
             canvas[:, i] = next_tokens(logits, temperature, i - P < sample_first, generator)
         if (canvas[:, P:lo + block_length] == EOT).any(1).all():  # every story has ended
             break

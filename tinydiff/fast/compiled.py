@@ -147,13 +147,13 @@ def compiled(model, hot, compile=True):
         clone.forward = lambda block, *args: step(block.shape[1], block.shape[1], block, *args)
         return clone
 
-    def compiled_step(idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0, head_at=None):
+    def compiled_step(idx, pos, mask, cache, rows, is_causal, hidden_layers=None, head_from=0):
         if cache is not None and cache.k is getattr(clone.cache_buffers, "k", None) and cache is not newest[0]:
             raise UserError("this cache's buffers now hold a newer story: a model compiled for CUDA graphs decodes "
                             "one story at a time with one cache; compile the model once per role (target, draft)")
-        key = (tuple(idx.shape), pos is None, mask is None, tuple(hidden_layers or ()), head_from, head_at is None)
+        key = (tuple(idx.shape), pos is None, mask is None, tuple(hidden_layers or ()), head_from)
         idx = idx.flatten().clone().view(idx.shape)  # a slice of a longer canvas has its strides: a new graph
-        return step(idx.shape[1], key, idx, pos, mask, cache, rows, is_causal, hidden_layers, head_from, head_at)
+        return step(idx.shape[1], key, idx, pos, mask, cache, rows, is_causal, hidden_layers, head_from)
     clone.step = compiled_step
     return clone
 

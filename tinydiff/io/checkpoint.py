@@ -162,12 +162,13 @@ def architecture(kind: str):
 
 def config_from(ckpt: dict, path="checkpoint") -> ModelConfig:
     config_class, _ = architecture(ckpt.get("kind"))
-    known = {f.name for f in fields(config_class)}
-    unknown = set(ckpt["config"]) - known
+    retired = {"score": "softmax"}  # older MoEConfigs' field, at the one value this code computes ("sigmoid" went)
+    stored = {k: v for k, v in ckpt["config"].items() if not (k in retired and retired[k] == v)}
+    unknown = set(stored) - {f.name for f in fields(config_class)}
     if unknown:
         raise UserError(f"{path}: config has fields this code does not know ({', '.join(sorted(unknown))})")
     try:
-        config = config_class(**ckpt["config"])
+        config = config_class(**stored)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     if config.vocab_size != VOCAB_SIZE:  # every model read from a file reads this tokenizer's ids

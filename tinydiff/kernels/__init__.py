@@ -5,21 +5,16 @@ One file per kernel, each with the plain PyTorch function it replaces right besi
   moe_ffn.py           the dMoE expert feed-forward: tokens grouped by expert, one launch per layer;
                        moe_ffn_fp4, the same with MXFP4 expert weights read packed
   sampler_step.py      the diffusion sampler's argmax + confidence over the vocabulary, in chunks
-Each file's public function (`masked_attention`, `moe_ffn`, `moe_ffn_fp4`, `sampler_step`) dispatches: the Triton
-kernel when `use_triton(tensor)` says so, the reference otherwise. tinydiff/bench/kernels.py times them.
-The model paths call them where `for_inference(tensor)`: model.Attention with an explicit mask
-(DDTree verification, the block-causal sampler), dmoe.MoEFeedForward's experts (MXFP4 ones:
-fp4.QuantizedSwiGLU), and sampler.propose with low_confidence remasking. The kernels have no backward pass, so a forward
-that records gradients (training) always takes the PyTorch path.
+Each file's public function dispatches: the Triton kernel when `use_triton(tensor)` says so, the
+reference otherwise (tinydiff/bench/kernels.py times them). The model paths call them where
+`for_inference(tensor)`: `attention` below, dmoe's and fp4's MoE layers, and sampler.proposer. No
+kernel has a backward pass, so training always takes the PyTorch path.
 
 When do kernels run? On a CUDA tensor when Triton is installed; on a CPU tensor only under Triton's
-interpreter (TRITON_INTERPRET=1 in the environment at the call), which runs the same kernel code
-with NumPy, slowly, so tests and lessons can check kernels on a laptop. Triton decides between
-compiled and interpreted code when it and the kernel files are *imported*, so TRITON_INTERPRET must
-be set before that (tests/kernel_mode.py does it first thing). Library code therefore imports a
-kernel module lazily, inside `if kernels.for_inference(x):`; importing this package imports no
-Triton. So on CPU the models run the references unless TRITON_INTERPRET=1 is set (slow: for tests).
-Under the interpreter use float32 or float16 (bfloat16 is silently wrong there) and small grids.
+interpreter (TRITON_INTERPRET=1), which runs the same kernel code with NumPy, slowly, so tests and
+lessons check kernels on a laptop (in float32 or float16: bfloat16 is silently wrong there). Triton
+reads TRITON_INTERPRET when the kernel files are *imported* (tests/kernel_mode.py sets it first), so
+library code imports a kernel module lazily, where `for_inference(x)`: this package imports no Triton.
 `TINYDIFF_KERNELS=0` in the environment, or `with kernels_enabled(False):`, forces the references
 everywhere (what the agreement tests compare against).
 
@@ -31,6 +26,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 _enabled = os.environ.get("TINYDIFF_KERNELS", "1") != "0"
@@ -47,9 +43,16 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def for_inference(x: torch.Tensor) -> bool:
-    """Should a model path call a kernel on tensor x? use_triton(x), and autograd off (torch.no_grad,
-    torch.inference_mode): the kernels compute no gradients, so training keeps the PyTorch path."""
+    """Should a model path call a kernel on x? use_triton(x) and autograd off: the kernels have no backward."""
     return use_triton(x) and not torch.is_grad_enabled()
+
+
+def attention(q, k, v, mask, is_causal: bool):
+    """F.scaled_dot_product_attention, or given a mask where for_inference(q), the flash kernel (skips hidden tiles)."""
+    if mask is not None and for_inference(q):
+        from tinydiff.kernels.masked_attention import masked_attention  # lazily: see above
+        return masked_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 @contextmanager
@@ -72,9 +75,8 @@ def check_device(kernel, x: torch.Tensor):
 
 
 class _NoTriton:
-    """Stands in for `triton` and `triton.language` where Triton is not installed: `@triton.jit`
-    leaves the function as it is and `tl.constexpr` annotations evaluate, so a kernel file imports
-    and its reference runs. use_triton() is False there, so no kernel is ever launched."""
+    """`triton` and `triton.language` where Triton is not installed: `@triton.jit` leaves a function as it is
+    and `tl.constexpr` evaluates, so a kernel file imports and its reference runs (no kernel ever launches)."""
 
     @staticmethod
     def jit(fn=None, **kwargs):

@@ -180,3 +180,13 @@ def sampler_step(logits, temperature: float, uniforms=None):
     if use_triton(logits):
         return sampler_step_triton(logits, temperature, uniforms)
     return sampler_step_reference(logits, temperature, uniforms)
+
+
+def fused_propose(logits, temperature: float, remasking: str, generator=None):
+    """sampler.propose for low_confidence remasking (what sampler.pick_proposer gives the samplers): it draws
+    propose's uniforms (same generator, shape and dtype), so the same tokens, and never writes the (N, V)
+    float64 logits, scores and probabilities."""
+    u = None
+    if temperature > 0:
+        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+    return sampler_step(logits, temperature, u)
