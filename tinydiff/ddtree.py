@@ -43,9 +43,9 @@ from tinydiff.ar import split_time
 from tinydiff.checks import UserError
 from tinydiff.dflash import draft_block, start_decoding
 from tinydiff.model import wide
-from tinydiff.sampling import next_token_probs, sample
+from tinydiff.sampling import forbid_mask, next_token_probs, sample
 from tinydiff.speculative import Tally, cut_at_stop
-from tinydiff.tokenizer import EOT, MASK
+from tinydiff.tokenizer import EOT
 
 
 @dataclass
@@ -90,10 +90,7 @@ def draft_logprobs(logits):
     """Log-softmax (..., V) of drafter logits, on the CPU, in float32 (float64 logits: in float64);
     MASK gets -inf when V > MASK, as in next_token_probs: it is never drafted."""
     logp = logits.detach().to(wide(logits.dtype)).cpu()
-    if logp.shape[-1] > MASK:
-        logp = logp.clone()
-        logp[..., MASK] = float("-inf")
-    return torch.log_softmax(logp, -1)
+    return torch.log_softmax(forbid_mask(logp), -1)
 
 
 def best_first(budget: int, max_depth: int, children) -> Tree:

@@ -30,9 +30,21 @@ from torch.utils.checkpoint import checkpoint
 
 from tinydiff.ar import check_prompt, split_time
 from tinydiff.checks import BLOCK, DEPTH, POSITIVE, SIZE, Rule, UserError, check_fields
-from tinydiff.model import (RULES, Block, KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, rope_table, tied_head,
-                            wide)
-from tinydiff.sampling import check_warp_args, next_token_probs, sample, tempered_ce
+from tinydiff.model import (
+    RULES,
+    Block,
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    check_heads,
+    gpt2_init_,
+    heads,
+    rope_table,
+    tied_head,
+    wide,
+)
+from tinydiff.sampling import check_warp_args, forbid_mask, next_token_probs, sample, tempered_ce
 from tinydiff.speculative import Tally, cut_at_stop
 from tinydiff.tokenizer import EOT, MASK, VOCAB_SIZE
 
@@ -111,10 +123,7 @@ class DFlashConfig:
 def init_around(drafter: nn.Module, target: Transformer, n_layer: int):
     """A drafter's own weights initialised as the target's were (residual writes scaled by sqrt(2 n_layer)),
     its final norm copied from the target's, and the drafter moved to the target's device."""
-    drafter.apply(Transformer._init_weights)
-    for name, p in drafter.named_parameters():
-        if name.endswith(("wo.weight", "down.weight")):
-            nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
+    gpt2_init_(drafter, n_layer)
     with torch.no_grad():
         drafter.norm.weight.copy_(target.norm.weight)
     drafter.to(target.embed.weight.device)
@@ -142,14 +151,13 @@ class DFlashDrafter(nn.Module):
         self.layer_config = ModelConfig(vocab_size=config.vocab_size, context=config.context,
                                         n_layer=config.n_layer, n_head=H, d_model=D, d_ff=config.d_ff,
                                         causal=False, rope_base=config.rope_base, norm_eps=config.norm_eps)
-        if D % H or (D // H) % 2:
-            raise UserError(f"d_model {D} must split into {H} heads of even size")
+        check_heads(D, H)
         self.fc = nn.Linear(config.n_features * D, D, bias=False)  # N*D -> D
         self.feature_norm = RMSNorm(D, config.norm_eps)
         self.layers = nn.ModuleList(ExtraKVBlock(self.layer_config) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
         # The MASK slots' input: our own vector, not the target's MASK row, which an AR target's tied head
-        # trains only as an output that must never win (docs/LOG.md, "DFlash's MASK input").
+        # trains only as an output that must never win (dev/LOG.md, "DFlash's MASK input").
         self.mask_embed = nn.Parameter(torch.zeros(D))
         # Blocks near the end of the context reach past it (their drafts are cut, not their input).
         cos, sin = rope_table(config.context + config.block_size, D // H, config.rope_base)
@@ -176,8 +184,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(pos)
         out = []
         for layer in self.layers:
-            k, v = (w(ctx).view(B, T, layer.attn.n_head, -1).transpose(1, 2) for w in (layer.attn.wk, layer.attn.wv))
-            out.append((apply_rope(k, cos, sin), v))
+            k = heads(layer.attn.wk(ctx), layer.attn.n_head, cos, sin)  # (B, H, T, D/H), RoPE'd
+            v = heads(layer.attn.wv(ctx), layer.attn.n_head)
+            out.append((k, v))
         return out
 
     def extend(self, cache: KVCache, hidden):
@@ -280,8 +289,7 @@ def block_loss(drafter: DFlashDrafter, windows, anchors, logits, target_logits, 
     B = drafter.config.block_size
     positions = (anchors[..., None] + torch.arange(1, B, device=windows.device)).flatten(1)  # (Bw, A*(B-1))
     labels = windows.gather(1, positions).view(Bw, A, B - 1)
-    if logits.shape[-1] > MASK:  # never a label, never drafted: keep no mass on it
-        logits[..., MASK] = float("-inf")
+    forbid_mask(logits, inplace=True)  # never a label, never drafted: keep no mass on it
     if temperature is None:
         ce = F.cross_entropy(logits.flatten(0, 2).to(wide(logits.dtype)), labels.flatten(), reduction="none")
     else:  # the target's distribution for slot k's position, predicted from the position before it

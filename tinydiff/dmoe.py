@@ -49,7 +49,7 @@ import torch.nn as nn
 from tinydiff import kernels
 from tinydiff.checks import MASS, POSITIVE, SIZE, WEIGHT, Rule, UserError, check_fields
 from tinydiff.diffusion import diffusion_loss
-from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, residual_init_, wide
+from tinydiff.model import PRESETS, FeedForward, ModelConfig, Transformer, gpt2_init_, wide
 from tinydiff.tokenizer import MASK
 
 ROUTINGS = ("token", "block")
@@ -224,10 +224,7 @@ class MoETransformer(Transformer):
         super().__init__(config)
         for block in self.blocks:
             block.ffn = MoEFeedForward(config)
-            block.ffn.apply(self._init_weights)  # as Transformer: N(0, 0.02), residual writes by depth
-            for name, p in block.ffn.named_parameters():
-                if name.endswith("down.weight"):
-                    residual_init_(p, config.n_layer)
+            gpt2_init_(block.ffn, config.n_layer)  # as Transformer's
 
     def forward(self, idx, **kwargs):
         """Transformer.forward; first gives every MASK position of idx (B, T) its vote in block routing.

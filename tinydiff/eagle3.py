@@ -39,7 +39,7 @@ from tinydiff.checks import DEPTH, MASS, UserError, check_fields
 from tinydiff.ddtree import Tree, build_tree, check_budget, compact_cache, compile_tree, follow_tree
 from tinydiff.dflash import (TARGET_RULES, ExtraKVBlock, check_drafter_config, check_target, checkpointed_chunks,
                              init_around, target_dims)
-from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, rope_table, tied_head, wide
+from tinydiff.model import KVCache, ModelConfig, RMSNorm, Transformer, check_heads, rope_table, tied_head, wide
 from tinydiff.sampling import check_warp_args, draftable, next_token_probs, sample, soft_ce
 from tinydiff.speculative import Tally, cut_at_stop, verify
 from tinydiff.tokenizer import EOT, VOCAB_SIZE
@@ -92,8 +92,7 @@ class EagleHead(nn.Module):
         object.__setattr__(self, "target", target)  # held, not registered: see the module docstring
         self.config = config
         D, H = config.d_model, config.n_head
-        if D % H or (D // H) % 2:
-            raise UserError(f"d_model {D} must split into {H} heads of even size")
+        check_heads(D, H)
         self.layer_config = ModelConfig(vocab_size=config.vocab_size, context=config.context, n_layer=1,
                                         n_head=H, d_model=D, d_ff=config.d_ff, rope_base=config.rope_base,
                                         norm_eps=config.norm_eps)

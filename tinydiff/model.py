@@ -119,9 +119,15 @@ def heads(y, n_head: int, cos=None, sin=None):
     return y if cos is None else apply_rope(y, cos, sin)
 
 
-def residual_init_(weight, n_layer: int):
-    """GPT-2's init of a residual write: N(0, 0.02 / sqrt(2 * n_layer)), the stream's variance kept over depth."""
-    nn.init.normal_(weight, std=0.02 / math.sqrt(2 * n_layer))
+def gpt2_init_(module: nn.Module, n_layer: int):
+    """GPT-2's init, in place: every Linear and Embedding weight N(0, 0.02), and the residual writes (attention's
+    wo, the feed-forward's down) N(0, 0.02 / sqrt(2 * n_layer)), so the stream's variance holds over depth."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+    for name, p in module.named_parameters():
+        if name.endswith(("wo.weight", "down.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
 
 class KVCache:
@@ -243,18 +249,10 @@ class Transformer(nn.Module):
         cos, sin = rope_table(config.context, config.d_model // config.n_head, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "down.weight")):  # the residual writes
-                residual_init_(p, config.n_layer)
+        gpt2_init_(self, config.n_layer)
         with torch.no_grad():  # padded after the init, so the random draws are as without: zero rows, never read
             pad = padded_vocab(config.vocab_size) - config.vocab_size
             self.embed = nn.Embedding.from_pretrained(F.pad(self.embed.weight, (0, 0, 0, pad)), freeze=False)
-
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
 
     def num_params(self, embedding: bool = True) -> int:
         """Parameters, the embedding's padding rows (zeros, never read) left out."""
