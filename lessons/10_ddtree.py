@@ -152,7 +152,7 @@ with torch.no_grad():
               f"{float(p[q.topk(k).indices].sum()):.2f} | {k} draw{'s' if k > 1 else ' '} of q judged by rejection: "
               f"{kept / walks:.2f}")
     print("   Either way the committed token is a sample of p (tests/extras/test_ddtree_sampled.py proves it). On the")
-    print("   T = 1 drafter of docs/LOG.md, 32-node trees go from tau 2.13 to 3.69 (`python -m")
+    print("   T = 1 drafter of dev/LOG.md, 32-node trees go from tau 2.13 to 3.69 (`python -m")
     print("   tinydiff.extras.ddtree_sampled`; the bench's ddtree-n32-reject row).")
 
 print("\n7. See it: a greedy DDTree run, every round's tree and the path the target followed, recorded by the")

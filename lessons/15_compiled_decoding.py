@@ -9,7 +9,7 @@ tests/fast/test_fused_steps.py (the proof that the tokens do not change). This i
 
 A decoding step of a small model is a few hundred small operations. On a GPU each one is a kernel
 launched from Python, and the launches, not the arithmetic, take the time: eager `tiny` decoding ran
-2.4-2.6 ms a step on an H200 (docs/LOG.md). gpt-fast's remedy has three moves: shapes that never
+2.4-2.6 ms a step on an H200 (dev/LOG.md). gpt-fast's remedy has three moves: shapes that never
 change (a KV cache of fixed size, a mask for the rows not yet written), `torch.compile` of the step
 (inductor fuses the operations into a few kernels), and on a GPU CUDA graphs (the whole step replayed
 by one launch). Then the loop around the step shrinks too: the sampling goes into the graph, and

@@ -12,7 +12,7 @@ tinydiff's from its `done:` line (eager runs keep their first step in, a little 
 nanoGPT's from its per-iteration `time` lines. nanoGPT runs from a temporary folder holding links to
 its configurator.py and to the token files, so its checkout stays as it was. Each side runs as it
 ships: train.py sets glibc to keep freed memory (tinydiff/io/cpu_memory.py), nanoGPT does not, and
-that setting is most of the difference (docs/LOG.md); --same-malloc gives nanoGPT's process the same
+that setting is most of the difference (dev/LOG.md); --same-malloc gives nanoGPT's process the same
 setting through glibc's environment variables, to see the rest.
 """
 import argparse

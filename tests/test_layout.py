@@ -2,10 +2,14 @@
 wing, and generate.py on an AR checkpoint loads the core's modules it runs and no wing but io/ (the
 checkpoint reader and the command line every entry point shares): never the variants, the fast paths,
 training, the tools or the bench. Each import check runs in a fresh interpreter, where nothing is loaded yet.
-Also: no table cell of the README or docs/RESULTS.md runs long (the history goes to docs/LOG.md)."""
+Also: one statement a line in the project's Python, and no table cell of the README or docs/RESULTS.md runs long
+(the history goes to dev/LOG.md)."""
+import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 from tinydiff.io.checkpoint import save_checkpoint
@@ -71,9 +75,32 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))"""
 
 def test_no_table_cell_runs_long():
     """No table cell of the README or docs/RESULTS.md runs past 200 characters (the history goes to
-    docs/LOG.md)."""
+    dev/LOG.md)."""
     for doc in ("README.md", "docs/RESULTS.md"):
         for line in (ROOT / doc).read_text(encoding="utf-8").splitlines():
             if line.startswith("|"):
                 cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
                 assert max(map(len, cells)) <= 200, (doc, line[:80])
+
+
+def test_one_statement_a_line():
+    """No line of the project's Python holds two statements or continues one with a backslash: what a line
+    says, it says alone (a long expression breaks inside its brackets instead)."""
+    crammed = []
+    for path in sorted([*(ROOT / "tinydiff").rglob("*.py"), ROOT / "train.py", ROOT / "generate.py"]):
+        source = path.read_text(encoding="utf-8")
+        name = path.relative_to(ROOT)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        for before, token in zip(tokens, tokens[1:]):
+            if token.start[0] > before.end[0] and before.type not in (tokenize.NEWLINE, tokenize.NL,
+                                                                     tokenize.COMMENT, tokenize.STRING,
+                                                                     tokenize.INDENT, tokenize.DEDENT):
+                crammed.append(f"{name}:{before.end[0]}: backslash")  # the line ended inside a statement
+        for token in tokens:
+            if token.type == tokenize.OP and token.string == ";":
+                crammed.append(f"{name}:{token.start[0]}: ;")
+        for node in ast.walk(ast.parse(source)):
+            body = getattr(node, "body", None)
+            if isinstance(node, ast.stmt) and isinstance(body, list) and body[0].lineno == node.lineno:
+                crammed.append(f"{name}:{node.lineno}: a block on its header's line")
+    assert crammed == []

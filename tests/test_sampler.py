@@ -290,7 +290,7 @@ def test_the_confidence_order_commits_modes():
     """low_confidence ranks positions by the probability of the token each one drew, so it commits
     whichever position happened to draw a likely token: its mode about 96% of the time here, where a
     fair draw of any one position gives its mode at most 70%. This is why a student sure of many
-    positions writes one story over and over (docs/LOG.md)."""
+    positions writes one story over and over (dev/LOG.md)."""
     committed = [first_step("low_confidence", seed)[:2] for seed in range(1_000)]
     modes = sum(token == int(STEP_PROBS[where].argmax()) for where, token in committed)
     assert modes / len(committed) > 0.9

@@ -2,7 +2,7 @@
 
 The DFlash and EAGLE-3 recipes (their default configs: 32 anchors of 16-token blocks; 3 unrolled steps) read
 a row of 50,258 logits per drafted slot: a batch's at once was 11.8 GB (dflash) and 14-15 GB (eagle3) of
-resident memory at `--preset tiny` (docs/LOG.md). dflash.py's checkpointed_chunks reads LOSS_ROWS
+resident memory at `--preset tiny` (dev/LOG.md). dflash.py's checkpointed_chunks reads LOSS_ROWS
 rows at a time and makes them again in the backward. The AR and MDLM recipes (6.1 GB) train with
 train/fused_loss.py, which forms ROWS rows' loss and gradients at a time; its one-piece contrast is the core's
 loss (ar.py, diffusion.py).

@@ -9,7 +9,7 @@ stories. `sampled_openings=True` lets the target sample each opening instead (te
 EOT) and continue it greedily: as many distinct story starts as stories, from the target's own
 distribution. Validation keeps the corpus's openings, which is what the drafter is judged on.
 A small target's greedy stories mostly end in a loop that repeats one sentence up to the context
-(most of their tokens: docs/LOG.md). A drafter copies a loop after one turn
+(most of their tokens: dev/LOG.md). A drafter copies a loop after one turn
 of it, so `trim_loops` cuts each story a few tokens past its first repeated n-gram: training then
 spends its anchors on the text before the loop, where drafts fail.
 A draft trained for sampling (train.py --draft-temperature T) learns from continuations sampled

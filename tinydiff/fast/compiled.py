@@ -17,7 +17,7 @@ copy makes is one set of buffers, marked static and emptied for each story, so a
 `--compile max-autotune` also times each matrix product as the BLAS call and as inductor's own kernel
 and keeps the faster (`inductor_settings`): it pays on a CPU whose BLAS is slow at a few rows.
 Where a whole round as one graph measures faster than its compiled steps, fused_round.py, fused_steps.py
-and fused_dflash.py hold that round (docs/LOG.md says which and by how much).
+and fused_dflash.py hold that round (dev/LOG.md says which and by how much).
 Leaves out: batches, the Triton kernels inside compiled steps, SSD's threaded run-ahead.
 """
 import copy

@@ -4,7 +4,7 @@ every fused loop shares (the prompt's prefill, the draws made before a graph run
 compiled.py compiles each model's forward and leaves the loop around it eager: the target's warp,
 the acceptance rule, the draws, and one call into a compiled step per model per round, each of which
 checks its guards. On a CPU that host work costs about as much as a small draft's forward
-(docs/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
+(dev/LOG.md). vLLM and SGLang capture a whole round instead; so does this file:
 `speculative_round` is FR-Spec's k drafts (`draft_chain`: frequent_vocab.subset_draft_round unrolled, each
 forward followed by its warp and draw, the next reading the token just drawn; a plain draft runs as the
 subset of every id, frequent_vocab.every_id: the same draws), the target's forward of the newest token

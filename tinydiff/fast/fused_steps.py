@@ -5,7 +5,7 @@ draw (its uniform drawn before the graph runs, from the loop's generator in ar_g
 With one token a call, the loop reads each token back before the next call, and what a call costs
 the host (the compiled function's guards, the wrapper, on CUDA the graph replay's bookkeeping, the
 wait for the read-back) is paid once per token: on the H200 a compiled `tiny` step took 480 us,
-several times what its kernels need (docs/LOG.md). vLLM's multi-step scheduling
+several times what its kernels need (dev/LOG.md). vLLM's multi-step scheduling
 (`--num-scheduler-steps`) runs several decoding steps before it goes back to the host; so does
 `decode_steps` here: S steps unrolled in one graph, each step's token the next step's input on the
 device, the S tokens read back once.

@@ -5,10 +5,10 @@ adjustment) with a fresh `mmap`, and hands it back to the kernel with `munmap` w
 training or decoding step here allocates several tensors of logits over the 50,258-id vocabulary
 (a batch of 16 x 17 tokens: 55 MB each), frees them, and allocates them again the next step: every
 page is zero-filled by a page fault each time. On a small model that kernel time rivals the
-arithmetic (docs/LOG.md has the measurement). Raising the mmap and trim thresholds makes such
+arithmetic (dev/LOG.md has the measurement). Raising the mmap and trim thresholds makes such
 blocks come from malloc's heap and stay there for reuse, as PyTorch's caching allocator does on a
 GPU. The cost: freed memory stays mapped to the process instead of going back to the system, so
-its peak resident memory is higher (docs/LOG.md measures both sides); TINYDIFF_MALLOC=default
+its peak resident memory is higher (dev/LOG.md measures both sides); TINYDIFF_MALLOC=default
 trades the speed back for it.
 
 Set by every entry point (io/cli.run_main), the lessons (lessons/common.py) and the test suite; a

@@ -98,7 +98,7 @@ def masked_attention_triton(q, k, v, mask, block_t: int = 16, block_s: int | Non
 
     block_t, block_s: query rows and keys per tile, powers of 2 >= 16. block_s defaults to 128 for
     16-bit inputs and 64 for float32: the fastest tiles of `python -m tinydiff.bench.kernels
-    --sweep` on an H200 (docs/LOG.md).
+    --sweep` on an H200 (dev/LOG.md).
 
     precision: "ieee" (exact float32 products, the default) or "tf32" (faster float32 on a GPU).
     """

@@ -147,7 +147,7 @@ def sampler_step_triton(logits, temperature: float, uniforms=None, block_v: int 
     block_v: vocabulary ids per chunk (a power of 2). split: programs per row, each walking one
     slice of the vocabulary (default: as many as give every multiprocessor of a GPU at most one
     program, 1 on CPU); a second, tiny kernel combines the slices. Each program ends in reductions
-    over its lanes, so fewer, longer programs win (timed on an H200: docs/LOG.md).
+    over its lanes, so fewer, longer programs win (timed on an H200: dev/LOG.md).
     """
     check_inputs(logits, temperature, uniforms)
     check_device(_sampler_step_kernel, logits)

@@ -4,7 +4,7 @@
               like the judge's idea of TinyStories. Repeating one phrase also scores low, so
   distinct_2  unique bigrams / all bigrams over the samples sits beside it (1.0 = no repeats).
 The perplexity comes with a 95% percentile-bootstrap interval over whole samples: at 64 samples it
-is wide (docs/LOG.md), so telling two models 5% apart takes several hundred samples.
+is wide (dev/LOG.md), so telling two models 5% apart takes several hundred samples.
 A story ends at its first EOT (kept, so stopping is judged too). `sample_and_judge` is the loop
 every quality number here comes from: N stories from seeds 0..N-1, one torch.Generator each.
 Leaves out: MAUVE, human judgement, an external judge model (ours is the project's AR model).

@@ -80,7 +80,7 @@ class Ranks:
         """A last all-reduce (every rank has arrived), then a wait, with the GIL free, until gloo's worker
         thread has let go of the tensor; whether it did. A worker that still held a collective's tensors
         when the interpreter began to shut down needed the GIL to free them and aborted the process
-        ("terminate called without an active exception": docs/LOG.md). Letting go is two steps: the C++
+        ("terminate called without an active exception": dev/LOG.md). Letting go is two steps: the C++
         reference (`_use_count`), then, holding the GIL, the Python one it kept (`sys.getrefcount`)."""
         last = torch.zeros(1)
         alone = sys.getrefcount(last)  # Python's own references

@@ -44,7 +44,7 @@ GROUPS = {"drafter": "drafters (dflash, eagle3, or an ar draft with --regenerate
 
 # A new run's length when --max-steps / --batch-size are not given. The 13m preset (a GPU's default) trains
 # about an hour on a free T4 in fp16, about one pass over TinyStories: an estimate until someone runs it
-# (docs/LOG.md, "Sizing the free-GPU run"). Every other run, a CPU's included: 5,000 steps of 32 windows.
+# (dev/LOG.md, "Sizing the free-GPU run"). Every other run, a CPU's included: 5,000 steps of 32 windows.
 RUN_LENGTH = {"13m": {"max_steps": 30000, "batch_size": 64}, None: {"max_steps": 5000, "batch_size": 32}}
 
 # The vocabularies of methods a run may not use, written here so that a run imports a method only when it runs
