@@ -197,7 +197,7 @@ def stacked_experts(layer):
 
 # ---- MXFP4 expert weights, read packed and dequantized in registers
 
-def check_packed(x, gate, up, down):
+def check_packed(gate, up, down):
     for name, p in (("gate", gate), ("up", up), ("down", down)):
         if p.format != "mxfp4" or p.codes.dtype != torch.uint8 or p.scales.dtype != torch.uint8 or p.codes.dim() != 3:
             raise ValueError(f"{name} must be mxfp4-packed (E, out, in/2) uint8 codes with uint8 scales")
@@ -211,7 +211,7 @@ def check_packed(x, gate, up, down):
 
 def moe_ffn_fp4_reference(x, weights, experts, gate, up, down):
     """Dequantize the packed weights (into x's dtype), then the dispatch loop: x (N, D), weights/experts (N, k)."""
-    check_packed(x, gate, up, down)
+    check_packed(gate, up, down)
     return moe_ffn_reference(x, weights, experts, *(p.dequantize(x.dtype) for p in (gate, up, down)))
 
 
@@ -304,7 +304,7 @@ def moe_ffn_fp4_triton(x, weights, experts, gate, up, down, block_m: int = 32, b
     block_m (token, slot) rows, block_n output columns, block_fh even (and as many odd) hidden
     units, block_kh bytes (twice as many inputs) of the reduction at a time. The defaults were the
     fastest of `python -m tinydiff.bench.kernels --kernels moe-fp4 --sweep` on an H200."""
-    check_packed(x, gate, up, down)
+    check_packed(gate, up, down)
     check_inputs(x, weights, experts, torch.empty(gate.shape, device="meta"), torch.empty(up.shape, device="meta"),
                  torch.empty(down.shape, device="meta"))
     check_device(_moe_ffn_fp4_kernel, x)
