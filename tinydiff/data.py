@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tinydiff.checks import UserError
+from tinydiff.tokenizer import EOT
 
 
 def load_tokens(path) -> np.ndarray:
@@ -25,7 +26,12 @@ def load_tokens(path) -> np.ndarray:
     if size == 0 or size % 2:
         raise UserError(f"token file {path} is empty or truncated ({size} bytes); delete it and "
                         "its .tokens.json so it is rebuilt")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    top = int(tokens.max())  # one pass over the file: an id past GPT-2's last would index past the embedding
+    if top > EOT:
+        raise UserError(f"token file {path} holds id {top}, past GPT-2's last ({EOT}): it is damaged or not a "
+                        "token file; delete it (and its .tokens.json) so it is rebuilt")
+    return tokens
 
 
 def sample_windows(tokens, batch_size: int, length: int, seed: int, index: int) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Spec for tinydiff/io/tokens.py: story files -> cached uint16 token files, never trusted half-written."""
+"""Spec for tinydiff/io/tokens.py: story files -> cached uint16 token files, never trusted half-written, nor
+damaged in place (a recorded sha256), nor holding an id past the vocabulary (data.load_tokens)."""
+import json
 import os
 import re
 import shutil
@@ -6,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tinydiff.checks import UserError
@@ -282,3 +285,53 @@ def test_hf_tokenises_both_splits_then_reuses(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # a valid cache needs no download
     assert io_tokens.prepare_tokens(None, tmp_path) == (train, val)
+
+
+def damaged(train: Path, how: str):
+    """train.u16 overwritten in place, its size kept: 0xFF bytes (ids out of range, as a disk error or a foreign
+    file leaves them), its own ids in reverse order (in range, other text), or cut short by one token."""
+    data = train.read_bytes()
+    if how == "0xff":
+        train.write_bytes(b"\xff" * len(data))
+    elif how == "other text":
+        ids = np.frombuffer(data, dtype=np.uint16)
+        train.write_bytes(ids[::-1].tobytes())
+    else:
+        train.write_bytes(data[:-2])
+
+
+@pytest.mark.parametrize("how", ["0xff", "other text", "cut short"])
+def test_a_cache_damaged_in_place_is_tokenised_again(tmp_path, capsys, how):
+    """Its recorded size catches a cut; its recorded sha256 catches the rest: the cache is rebuilt from the
+    text, with a one-line notice where the size alone would have passed, and holds the text's stories again."""
+    src = write_stories(tmp_path / "s.txt", stories(20))
+    train, val = io_tokens.prepare_tokens(src, tmp_path / "cache")
+    damaged(train, how)
+    capsys.readouterr()
+    assert io_tokens.prepare_tokens(src, tmp_path / "cache") == (train, val)
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    same_size = how != "cut short"
+    assert notices == ([f"notice: the token cache {tmp_path / 's.txt.'}* does not match the checksum it was "
+                        "written with; tokenising again"] if same_size else [])
+    assert decode_stories(train) + decode_stories(val) == parse_stories(src.read_text())
+
+
+def test_a_cache_from_before_checksums_is_tokenised_again(tmp_path, capsys):
+    src = write_stories(tmp_path / "s.txt", stories(20))
+    train, val = io_tokens.prepare_tokens(src, tmp_path / "cache")
+    stamp_path = tmp_path / "s.txt.tokens.json"
+    stamp = json.loads(stamp_path.read_text())
+    del stamp["sha256"]
+    stamp_path.write_text(json.dumps(stamp))
+    capsys.readouterr()
+    io_tokens.prepare_tokens(src, tmp_path / "cache")
+    assert "predates its checksum; tokenising again" in capsys.readouterr().err
+    assert json.loads(stamp_path.read_text())["sha256"] == io_tokens.tokens_digest(train, val)
+
+
+def test_a_token_file_with_ids_past_the_vocabulary_is_refused_naming_it(tmp_path):
+    """What reads a token file without a stamp (a run's regenerated stories) meets the range check."""
+    path = tmp_path / "regenerated.u16"
+    np.array([1, EOT, EOT + 1], dtype=np.uint16).tofile(path)
+    with pytest.raises(UserError, match=f"token file {path} holds id {EOT + 1}, past GPT-2's last"):
+        load_tokens(path)

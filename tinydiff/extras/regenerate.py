@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tinydiff.checks import UserError
+from tinydiff.data import load_tokens
 from tinydiff.extras.drafted_diffusion import logits_at
 from tinydiff.io import progress
 from tinydiff.io.files import write_atomic
@@ -174,7 +175,7 @@ def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings
                        temperature: float = 0.0, desc: str = "regenerating") -> np.ndarray:
     """The regenerated text cached at `path` (written atomically), made once per run; `desc` names its bar."""
     if os.path.exists(path):
-        return np.fromfile(path, dtype=np.uint16)
+        return np.array(load_tokens(path))  # its ids checked: a damaged file is refused, naming it
     text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings, desc=desc)
     write_atomic(path, text.tofile)
     return text

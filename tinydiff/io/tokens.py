@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from array import array
 from pathlib import Path
 
@@ -54,14 +55,24 @@ def _cache_paths(directory: Path, stem: str) -> tuple[Path, Path, Path]:
 
 
 def _reusable(paths, expected: dict) -> bool:
+    """Whether the cache holds what `expected` describes: its stamp agrees, and its files have the sizes and the
+    sha256 the stamp recorded when they were written. A file overwritten in place (a disk error, another
+    program) keeps its size but not its checksum: it is tokenised again, with a notice."""
     train, val, meta = paths
     try:
         stamp = json.loads(meta.read_text())
-        return (all(stamp.get(k) == v for k, v in expected.items())
+        if not (all(stamp.get(k) == v for k, v in expected.items())
                 and train.stat().st_size == 2 * stamp["train_tokens"]
-                and val.stat().st_size == 2 * stamp["val_tokens"])
+                and val.stat().st_size == 2 * stamp["val_tokens"]):
+            return False
+        if stamp.get("sha256") == tokens_digest(train, val):
+            return True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+    why = "does not match the checksum it was written with" if "sha256" in stamp else "predates its checksum"
+    print(f"notice: the token cache {train.parent / train.name.removesuffix('train.u16')}* {why}; tokenising again",
+          file=sys.stderr)
+    return False
 
 
 def _temps(paths) -> list[Path]:
@@ -92,6 +103,7 @@ def _cache_temps(paths, cache_dir: Path) -> list[Path]:
 def _commit(temps, paths, stamp: dict):
     # A stale stamp must never vouch for a half-replaced pair, so it goes first and comes back last.
     paths[2].unlink(missing_ok=True)
+    stamp = {**stamp, "sha256": tokens_digest(temps[0], temps[1])}  # what _reusable checks the files against
     os.replace(temps[0], paths[0])
     os.replace(temps[1], paths[1])
     temps[2].write_text(json.dumps(stamp))
