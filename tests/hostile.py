@@ -1,10 +1,14 @@
 """What the hostile-input tests share: run an entry point's main(argv) in-process the way its
 `__main__` does (tinydiff.io.cli.run_main), and the checks every refused case must pass: a non-zero
 exit status, exactly one line on stderr that starts with `error:`, no traceback, and nothing
-written or changed under the watched folders. Also the tampered checkpoints every loader meets."""
+written or changed under the watched folders. Also the tampered checkpoints every loader meets, and
+`run_capped`: a command in a child process whose address space is capped, so that a case which allocates
+without bound fails its test instead of taking the machine."""
 import math
 import os
 import pickle
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,3 +106,15 @@ def tampered_checkpoints(folder: Path, model, config, kind: str = "ar") -> dict:
     paths["a folder"] = folder / "run"
     paths["a folder"].mkdir(exist_ok=True)
     return paths
+
+
+def run_capped(args, cap_gib: float = 4, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python ARGS` at the repository's root with its address space capped at cap_gib GiB (RLIMIT_AS; a tiny
+    model's run maps under 1 GiB): an allocation past the cap raises in the child, which then exits with a
+    traceback or an out-of-memory line, and the test sees it fail."""
+    limit = int(cap_gib * 2**30)
+
+    def cap():  # in the child, before it runs python
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=cap)

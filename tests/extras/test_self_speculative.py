@@ -4,9 +4,12 @@ for token (float64 models, both orders, shifted or not, any number of drafts); a
 its samples follow the exact joint of that sampler, enumerated with plain uncached forwards
 (chi-square with its power asserted, stats_helpers); a batched verify forward gives each canvas
 its own logits; the counts are the forwards and canvases the model really ran."""
+import json
+
 import pytest
 import torch
 from diffusion_joint import NEW, SMALL_PROMPT, SmallVocab, V, exact_joint
+from hostile import run_capped
 from stats_helpers import (
     assert_follows_the_joint,
     assert_same,
@@ -16,6 +19,7 @@ from stats_helpers import (
 
 from tinydiff.checks import UserError
 from tinydiff.extras.self_speculative import row_view, self_speculative_generate
+from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
 from tinydiff.sampler import generate_cached, prefix_cached_logits
 from tinydiff.tokenizer import MASK
@@ -135,3 +139,16 @@ def test_bad_input_gets_a_one_line_error():
         self_speculative_generate(model, PROMPT, 8, 8, 1.0, "left_to_right", 0)
     with pytest.raises(UserError, match="multiple of the block length"):
         self_speculative_generate(model, PROMPT, 10, 8, 1.0, "left_to_right", 2)
+
+
+@pytest.mark.parametrize("k", [10**6, 10**9])
+def test_a_draft_count_past_the_block_is_clamped_in_bounded_memory(tmp_path, k):
+    """--k larger than a block's positions can draft no more than the block: the run clamps it, says so once,
+    and writes its 8 tokens under a 4 GiB address-space cap (a batch cache of k + 1 rows took 18 GB)."""
+    config = ModelConfig(context=32, n_layer=1, n_head=2, d_model=16, d_ff=32, causal=False)
+    save_checkpoint(tmp_path / "mdlm.pt", kind="mdlm", config=config, model=Transformer(config))
+    res = run_capped(["-m", "tinydiff.extras.self_speculative", "--ckpt", tmp_path / "mdlm.pt", "--prompt",
+                      "Once upon a time", "--max-new-tokens", "8", "--k", k, "--temperature", "1", "--json"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count(f"notice: --k {k} is more than a block's 8 positions") == 1
+    assert len(json.loads(res.stdout)["ids"]) == 8

@@ -107,7 +107,8 @@ def self_speculative_generate(model, prompt, gen_length=64, block_length=32, tem
     check_args(model, prompt, gen_length, gen_length, block_length, temperature, order, None)
     check_draft_args(order, draft_positions)
     device = model.embed.weight.device
-    P, m = len(prompt), draft_positions
+    P = len(prompt)
+    m = min(draft_positions, block_length)  # a round drafts among its block's open positions: at most all of them
     canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
     cache = model.new_cache(m + 1)  # row 0 runs each block's first forward; rows 0..m the verify batch
     tally, forwards, canvases = Tally(k=m), 0, 0
@@ -170,8 +171,11 @@ def main(argv=None):
 
     def decode(model, prompt, generator):
         new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
-        return self_speculative_generate(model, prompt, new, block, args.temperature or 0.0, args.order, args.k,
-                                         generator)
+        if args.k > block:
+            print(f"notice: --k {args.k} is more than a block's {block} positions; drafting at most {block} a round",
+                  file=sys.stderr)
+        return self_speculative_generate(model, prompt, new, block, args.temperature or 0.0, args.order,
+                                         min(args.k, block), generator)
     write_story(args, DIFFUSION_KINDS, decode)
 
 
