@@ -127,7 +127,7 @@ def run_ar(model, prompt, args, generator):
 def run_spec(model, prompt, args, generator):
     from tinydiff.speculative import speculative_generate
     draft = model_from(draft_checkpoint(args, "spec"), args.draft, args.device).eval()
-    k = args.k or 4
+    k = drafts_per_round(args, model, prompt)
     models = compiled(args, {"target": model, "draft": draft}, "spec", k=k)
     return speculative_generate(models["target"], models["draft"], prompt, args.max_new_tokens, k, *warping(args),
                                 **loop(args, generator))
@@ -138,7 +138,8 @@ def run_ssd(model, prompt, args, generator):
     draft = model_from(draft_checkpoint(args, "ssd"), args.draft, args.device).eval()
     if args.device == "cpu":
         torch.set_num_threads(1)  # the draft's thread and the target's each get one core
-    return ssd_generate(model, draft, prompt, args.max_new_tokens, args.k or 4, 3, *warping(args), threaded=True,
+    k = drafts_per_round(args, model, prompt)
+    return ssd_generate(model, draft, prompt, args.max_new_tokens, k, 3, *warping(args), threaded=True,
                         **loop(args, generator))
 
 
@@ -164,7 +165,7 @@ def run_ddtree(model, prompt, args, generator):
 def run_eagle3(model, prompt, args, generator):
     from tinydiff.eagle3 import eagle_generate
     head = head_from(draft_checkpoint(args, "eagle3"), model, args.draft)
-    k = args.k or 4
+    k = drafts_per_round(args, model, prompt)
     model = compiled(args, {"target": model}, "eagle3", k=k, budget=args.budget)["target"]
     return eagle_generate(model, head, prompt, args.max_new_tokens, k, args.budget, 4, *warping(args),
                           **loop(args, generator))
@@ -217,6 +218,22 @@ def draft_checkpoint(args, method: str) -> dict:
     if not args.draft:
         raise UserError(f"--method {method} needs --draft CKPT (a {DRAFT_KINDS[method]} model trained for --ckpt)")
     return load_checkpoint(args.draft, kinds=(DRAFT_KINDS[method],))
+
+
+def drafts_per_round(args, model, prompt) -> int:
+    """--k (default 4), at most what a round can draft: the story's new tokens less the one the target adds.
+    A larger --k drafts no more, so it is clamped, saying so once, before it sizes anything."""
+    if args.k is None:
+        return 4
+    k = args.k
+    room = model.config.context - len(prompt)
+    new = min(args.max_new_tokens or room, room)
+    most = max(1, new - 1)
+    if k <= most:
+        return k
+    print(f"notice: --k {k} is more than the {most} drafts a round of a {new}-token story can use; drafting at most "
+          f"{most} a round", file=sys.stderr)
+    return most
 
 
 def block_size(args, drafter) -> int:

@@ -2,17 +2,18 @@
 enters (finite, in range, an integer where it must be; 0 is a stated meaning or an error, never
 "the default"), every checkpoint before a model is built from it, and each refusal is one line
 `error: ...`, a non-zero status, no traceback, nothing written. A closed stdout ends quietly."""
+import json
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
-from hostile import NON_FINITE, ROOT, refused, tampered_checkpoints
+from hostile import NON_FINITE, ROOT, refused, run_capped, tampered_checkpoints
 
 import generate
 from tinydiff.io.checkpoint import save_checkpoint
-from tinydiff.model import Transformer
+from tinydiff.model import ModelConfig, Transformer
 
 # flag -> bad values beside the non-finite ones (each was once accepted, or is its neighbour)
 NUMBERS = {
@@ -125,3 +126,52 @@ def test_a_closed_stdout_ends_quietly(ar_ckpt):
     cmd = f"{sys.executable} generate.py --ckpt {ar_ckpt} --prompt hi --max-new-tokens 20 --json | true"
     res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.stderr == ""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 4-layer AR target, itself as its draft, a DFlash drafter and an EAGLE-3 head for it, and a diffusion LM."""
+    from tinydiff.dflash import DFlashConfig, DFlashDrafter
+    from tinydiff.eagle3 import EagleConfig, EagleHead
+    folder = tmp_path_factory.mktemp("counts")
+    ar = ModelConfig(context=64, n_layer=4, n_head=2, d_model=16, d_ff=32, causal=True)
+    target = Transformer(ar)
+    save_checkpoint(folder / "ar.pt", kind="ar", config=ar, model=target)
+    drafter = DFlashConfig.for_target(ar, block_size=4)
+    save_checkpoint(folder / "dflash.pt", kind="dflash", config=drafter, model=DFlashDrafter(drafter, target))
+    head = EagleConfig.for_target(ar)
+    save_checkpoint(folder / "eagle.pt", kind="eagle3", config=head, model=EagleHead(head, target))
+    mdlm = replace(ar, n_layer=1, causal=False)
+    save_checkpoint(folder / "mdlm.pt", kind="mdlm", config=mdlm, model=Transformer(mdlm))
+    return folder
+
+
+# method, its models' flags, the count flag; each at 10^6 and 10^9 (the huge counts a careless or hostile
+# user types), under a 4 GiB address-space cap: a bounded run that clamps with one notice, or one line
+COUNTS = [("spec", ["--draft", "ar.pt"], "--k"), ("ssd", ["--draft", "ar.pt"], "--k"),
+          ("eagle3", ["--draft", "eagle.pt"], "--k"), ("eagle3", ["--draft", "eagle.pt"], "--budget"),
+          ("ddtree", ["--draft", "dflash.pt"], "--budget"), ("ar", [], "--top-k"),
+          ("ar", [], "--max-new-tokens"), ("diffusion", [], "--steps")]
+
+
+@pytest.mark.parametrize("value", [10**6, 10**9])
+@pytest.mark.parametrize("method, models, flag", COUNTS, ids=[f"{m} {f}" for m, _, f in COUNTS])
+def test_a_huge_count_is_clamped_or_refused_in_bounded_memory(checkpoints, method, models, flag, value):
+    """A draft count past the story's tokens drafts no more than them: clamped, with one notice (10^9 drafts
+    once sized a histogram of 10^9 slots: MemoryError); a tree budget or top-k past the vocabulary the same
+    tokens; a token or step count past the room, one line."""
+    ckpt = checkpoints / ("mdlm.pt" if method == "diffusion" else "ar.pt")
+    argv = ["generate.py", "--ckpt", ckpt, "--method", method, *[checkpoints / m if m.endswith(".pt") else m
+            for m in models], "--prompt", "Once upon a time", "--temperature", "1", "--json"]
+    argv += [flag, value] if flag == "--max-new-tokens" else ["--max-new-tokens", 8, flag, value]
+    res = run_capped(argv)
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    if flag in ("--max-new-tokens", "--steps"):
+        assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+        return
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(json.loads(res.stdout)["ids"]) == 8
+    notices = [line for line in lines if line.startswith("notice:")]
+    assert notices == ([f"notice: --k {value} is more than the 7 drafts a round of a 8-token story can use; "
+                        "drafting at most 7 a round"] if flag == "--k" else [])
