@@ -23,6 +23,7 @@ from tinydiff.extras.distill import (
     certainty,
     corpus_anchor,
     distill_terms,
+    load_or_write,
     make_loss,
     sample_rows,
     state,
@@ -240,3 +241,23 @@ def test_a_student_fits_a_teacher_saved_before_the_newer_config_fields(tmp_path)
     save_checkpoint(tmp_path / "wider.pt", kind="mdlm-moe", config=wider.config, model=wider)
     with pytest.raises(UserError, match="differs in n_experts"):
         student_from(tmp_path / "teacher.pt", "mdlm-moe", tmp_path / "wider.pt")
+
+
+@pytest.mark.parametrize("damage", ["0xff", "cut", "floats"])
+def test_damaged_trajectories_are_refused_naming_the_file(tmp_path, damage):
+    """A run's cached trajectories read back checked: ids past GPT-2's last (a file overwritten in place), a
+    file cut short, or another program's array of the right shape: one line naming the file to delete."""
+    path = tmp_path / "trajectories.npy"
+    model = teacher(False)
+    good = load_or_write(path, model, corpus(), config(), seed=1)
+    assert (load_or_write(path, model, corpus(), config(), seed=1) == good).all()  # read back as written
+    data = path.read_bytes()
+    header = len(data) - good.nbytes
+    if damage == "0xff":
+        path.write_bytes(data[:header] + b"\xff" * good.nbytes)
+    elif damage == "cut":
+        path.write_bytes(data[:-4])
+    else:
+        np.save(path, good.astype(np.float32), allow_pickle=False)
+    with pytest.raises(UserError, match=f"{path}.*delete it so the teacher writes it again"):
+        load_or_write(path, model, corpus(), config(), seed=1)

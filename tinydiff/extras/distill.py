@@ -157,10 +157,19 @@ def load_or_write(path, teacher, tokens, config: DistillConfig, seed: int, desc=
     shape = (config.stories, 2, 1 + config.max_opening + blocks_per_story(teacher.config.context, config) *
              config.block_length)
     if os.path.exists(path):
-        out = np.load(path, allow_pickle=False)
+        try:
+            out = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:  # a damaged header, a cut file, a foreign one
+            raise UserError(f"{path} is not a trajectories file ({type(e).__name__}); delete it so the teacher "
+                            "writes it again") from None
         if out.shape != shape:
             raise UserError(f"{path} holds stories of shape {out.shape}, this run writes {shape}: it is another "
                             "run's; delete it or pass another --out")
+        ids, steps = out[:, 0], out[:, 1]
+        if (out.dtype != np.int32 or ids.min() < 0 or ids.max() > EOT or steps.min() < PAD
+                or steps.max() >= config.block_length):
+            raise UserError(f"{path} holds values no teacher writes (token ids past GPT-2's last or steps past a "
+                            "block): it is damaged; delete it so the teacher writes it again")
         return out
     out = write_trajectories(teacher, tokens, config, seed, desc)
     write_atomic(path, lambda f: np.save(f, out, allow_pickle=False))
