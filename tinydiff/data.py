@@ -30,7 +30,7 @@ def load_tokens(path) -> np.ndarray:
     top = int(tokens.max())  # one pass over the file: an id past GPT-2's last would index past the embedding
     if top > EOT:
         raise UserError(f"token file {path} holds id {top}, past GPT-2's last ({EOT}): it is damaged or not a "
-                        "token file; delete it (and its .tokens.json) so it is rebuilt")
+                        "token file; delete it so it is made again")
     return tokens
 
 
