@@ -37,6 +37,7 @@ import torch
 
 from tinydiff.checks import COUNT, UserError
 from tinydiff.ddtree import Tree, best_first, check_budget, ddtree_generate
+from tinydiff.extras.dflash_reject import drafts_per_round
 from tinydiff.io.checkpoint import AR_KINDS, drafter_from, load_checkpoint
 from tinydiff.io.cli import run_main, story_parser, write_story
 from tinydiff.sampling import next_token_probs, residual, sample
@@ -191,6 +192,7 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
     if acceptance is not None and not isinstance(acceptance, RankAcceptance):
         raise UserError(f"acceptance must be a RankAcceptance, got {type(acceptance).__name__}")
     check_budget(budget)
+    budget = min(budget, max(1, target.config.context - len(prompt)))  # a tree's rows fit the cache: no round has more
     acceptance = RankAcceptance(budget) if acceptance is None else acceptance
     warp_args, distributions = (temperature, top_k, top_p), {}
 
@@ -206,20 +208,32 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
                            stop_token, on_round, grow=grow, judge=judge)
 
 
+def tree_budget(budget, target, prompt) -> int:
+    """--budget as a round can use it (None: 32): a tree's rows sit in the target's cache after the prompt, so no
+    round verifies more than the context's room; a larger --budget does what that does, clamped with a one-line
+    notice on stderr (the default's clamp goes unsaid)."""
+    room = max(1, target.config.context - len(prompt))
+    if budget is not None and budget > room:
+        print(f"notice: --budget {budget} is more than the {room} tree nodes the context has room for after this "
+              f"prompt; verifying at most {room} a round", file=sys.stderr)
+    return min(32 if budget is None else budget, room)
+
+
 def main(argv=None):
     """python -m tinydiff.extras.ddtree_sampled: DDTree at T > 0, sampled children judged by recursive rejection."""
     p = story_parser("python -m tinydiff.extras.ddtree_sampled", "DDTree with sampled children judged by "
                      "recursive rejection sampling (lossless; for temperature > 0).")
     p.add_argument("--draft", required=True, help="the DFlash drafter (train.py --model dflash)")
     p.add_argument("--k", type=COUNT, help="the tree's depth (default: the drafter's block - 1)")
-    p.add_argument("--budget", type=COUNT, default=32, help="tree nodes verified per round")
+    p.add_argument("--budget", type=COUNT, help="tree nodes verified per round (default 32)")
     args = p.parse_args(argv)
 
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
-        return ddtree_sampled_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
-                                       args.budget, 0.8 if args.temperature is None else args.temperature,
-                                       generator=generator)
+        block = drafts_per_round(args.k, drafter)
+        return ddtree_sampled_generate(target, drafter, prompt, args.max_new_tokens, block,
+                                       tree_budget(args.budget, target, prompt),
+                                       0.8 if args.temperature is None else args.temperature, generator=generator)
     write_story(args, AR_KINDS, decode)
 
 

@@ -87,6 +87,18 @@ def rule_steps(rule: str, drafter, warp_args, generator=None, propose=None, min_
     return draw, judge
 
 
+def drafts_per_round(k, drafter):
+    """--k as a block size for the loops (None: the drafter's own block). A drafter drafts at most its block - 1 a
+    round, so a larger --k does what that does: clamped to it, with a one-line notice on stderr."""
+    if k is None:
+        return None
+    most = drafter.config.block_size - 1
+    if k > most:
+        print(f"notice: --k {k} is more than this drafter's {most} drafts a round (trained with blocks of "
+              f"{most + 1}); drafting at most {most} a round", file=sys.stderr)
+    return min(k, most) + 1
+
+
 RULES = ("match", "reject")  # DFlash's argmax drafts matched; sampled drafts and the rejection rule
 
 
@@ -150,7 +162,8 @@ def main(argv=None):
 
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
-        return dflash_reject_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
+        block = drafts_per_round(args.k, drafter)
+        return dflash_reject_generate(target, drafter, prompt, args.max_new_tokens, block,
                                       0.8 if args.temperature is None else args.temperature, None, None, generator,
                                       rule=args.rule, min_confidence=args.min_confidence)
     write_story(args, AR_KINDS, decode)

@@ -75,8 +75,9 @@ def ar_drafted_generate(model, draft, prompt, gen_length=64, block_length=32, te
     round; returns (new ids, SelfSpeculated). on_round(info) sees each round's canvas after it, its
     drafts, the kept count and the committed tokens."""
     check_args(model, prompt, gen_length, gen_length, block_length, temperature, "left_to_right", None)
-    P, m = len(prompt), draft_positions
-    check_draft(model, draft, P + gen_length, m)
+    P = len(prompt)
+    check_draft(model, draft, P + gen_length, draft_positions)
+    m = min(draft_positions, block_length)  # a round drafts among its block's open positions: fewer than all of them
     device = model.embed.weight.device
     warp = (temperature, None, None)
     canvas = torch.tensor(prompt + [MASK] * gen_length, device=device)  # (L,)
@@ -123,7 +124,11 @@ def main(argv=None):
     def decode(model, prompt, generator):
         draft, _ = load_model(args.draft, args.device, kinds=("ar",))
         new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
-        return ar_drafted_generate(model, draft, prompt, new, block, args.temperature or 0.0, args.k, generator)
+        if args.k > block:
+            print(f"notice: --k {args.k} is more than a block's {block} positions; drafting at most {block - 1} a "
+                  "round (a block's last open position is the diffusion model's own draw)", file=sys.stderr)
+        return ar_drafted_generate(model, draft, prompt, new, block, args.temperature or 0.0, min(args.k, block),
+                                   generator)
     write_story(args, DIFFUSION_KINDS, decode)
 
 

@@ -26,7 +26,8 @@ from tinydiff.checks import COUNT, Rule, UserError
 from tinydiff.ddtree import Tree, best_first, check_tree_args, ddtree_generate, draft_logprobs
 from tinydiff.dflash import (DFlashConfig, DFlashDrafter, block_loss, check_windows, packed_logits,
                              sample_anchors)
-from tinydiff.extras.dflash_reject import dflash_reject_generate
+from tinydiff.extras.ddtree_sampled import tree_budget
+from tinydiff.extras.dflash_reject import dflash_reject_generate, drafts_per_round
 from tinydiff.io.checkpoint import AR_KINDS, dflash_config, load_checkpoint, rebuild_around
 from tinydiff.io.checkpoint import drafter_from as plain_drafter_from
 from tinydiff.io.cli import run_main, story_parser, write_story
@@ -186,10 +187,11 @@ def main(argv=None):
     def decode(target, prompt, generator):
         drafter = drafter_from(load_checkpoint(args.draft, kinds=("dflash",)), target, args.draft)
         common = dict(temperature=0.8 if args.temperature is None else args.temperature, generator=generator)
+        block = drafts_per_round(args.k, drafter)
         if args.method == "ddtree":
-            return markov_ddtree_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1,
-                                          args.budget or 32, **common)
-        return markov_dflash_generate(target, drafter, prompt, args.max_new_tokens, args.k and args.k + 1, **common)
+            return markov_ddtree_generate(target, drafter, prompt, args.max_new_tokens, block,
+                                          tree_budget(args.budget, target, prompt), **common)
+        return markov_dflash_generate(target, drafter, prompt, args.max_new_tokens, block, **common)
     write_story(args, AR_KINDS, decode)
 
 

@@ -26,6 +26,9 @@ def generate_revising(model, prompt, gen_length=64, steps=64, block_length=32, r
     blocks, block_steps = check_args(model, prompt, gen_length, steps, block_length, temperature, remasking, None)
     if not isinstance(revise, int) or revise < 0:
         raise UserError(f"revise must be an integer >= 0, got {revise!r}")
+    if revise > block_length:  # each step is a forward: a count past the block's positions only runs long
+        raise UserError(f"revise {revise} is more than a block's {block_length} positions; pass at most "
+                        f"{block_length} (each revising step predicts one of them again)")
     P = len(prompt)
     canvas, confidences = start_canvas(model, prompt, gen_length)
     trace = Trace(callback)
@@ -51,7 +54,8 @@ def main(argv=None):
     """python -m tinydiff.extras.self_correction: a diffusion LM's story, each block revised before the next."""
     p = story_parser("python -m tinydiff.extras.self_correction", "A diffusion LM's story with self-correction: "
                      "after each block, its least confident tokens predicted again.")
-    p.add_argument("--revise", type=COUNT_OR_NONE, default=4, help="revising steps per block (0: the LLaDA sampler)")
+    p.add_argument("--revise", type=COUNT_OR_NONE, help="revising steps per block, at most its length (0: the LLaDA "
+                   "sampler; default 4, or the block's length where it is shorter)")
     p.add_argument("--steps", type=COUNT, help="forwards before revising (default: one token per step)")
     p.add_argument("--block-length", type=COUNT, help="blocks filled left to right (default 32)")
     p.add_argument("--remasking", choices=REMASKING, default="low_confidence", help="which positions to commit")
@@ -59,7 +63,8 @@ def main(argv=None):
 
     def decode(model, prompt, generator):
         new, block = diffusion_lengths(model, prompt, args.max_new_tokens, args.block_length)
-        return generate_revising(model, prompt, new, args.steps or new, block, args.revise, args.temperature or 0.0,
+        revise = min(4, block) if args.revise is None else args.revise
+        return generate_revising(model, prompt, new, args.steps or new, block, revise, args.temperature or 0.0,
                                  args.remasking, generator)
     write_story(args, DIFFUSION_KINDS, decode)
 
