@@ -130,6 +130,11 @@ READ_BY = {"drafter": lambda m: m.startswith(("dflash-", "ddtree-")), "eagle": l
            "min_confidence": lambda m: m.endswith("-sched"), "draft_vocab": lambda m: m in FR_ROWS}
 
 
+# Held-out openings (--openings, --report): each is decoded by every method, and drawn up front (8 tokens each);
+# past this a count is a typo that would hold its openings in memory before the first decode.
+OPENINGS = 10_000
+
+
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     if args.methods is None:
@@ -147,6 +152,9 @@ def check_args(args) -> list[str]:
     if args.prompts > len(PROMPTS) and not (args.report or args.openings):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --openings or --report, "
                         f"which draw held-out story openings), got {args.prompts}")
+    if args.prompts > OPENINGS:
+        raise UserError(f"--prompts {args.prompts}: the bench decodes at most {OPENINGS:,} held-out openings (every "
+                        f"method decodes each); pass at most {OPENINGS:,}")
     for dest, reads in READ_BY.items():
         if dest in args.given and not any(reads(m) for m in methods):
             raise UserError(f"{flag(dest)} is read by no row of --methods {','.join(methods)}; add a "
