@@ -288,6 +288,18 @@ def print_table(rows: list[dict], c: float):
                   f"{1e3 * r['moe_seconds_per_forward']:.1f} ms in MoE layers per forward")
 
 
+def check_room(new_tokens: int, methods, models, prompts):
+    """--new-tokens must fit after the longest prompt in the context of every model the rows decode with: one line
+    before the first decode (each method checks it too, but after the progress bar has started)."""
+    used = {USES.get(m, "mdlm") for m in methods}
+    context = min((models["moe"] if u.startswith("moe-") else models[u]).config.context for u in used)
+    longest = max(map(len, prompts))
+    if new_tokens > context - longest:
+        raise UserError(f"--new-tokens {new_tokens} does not fit: a {longest}-token prompt leaves "
+                        f"{max(0, context - longest)} of a {context}-token context; pass at most "
+                        f"{max(1, context - longest)}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     methods = check_args(args)
@@ -305,6 +317,7 @@ def main(argv=None):
         print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
               f"{models['drafter'].config.block_size}", file=sys.stderr)
         methods = [m for m in methods if m not in too_big]
+    check_room(args.new_tokens, methods, models, prompts)
     rows, c = measure_rows(args, methods, models, prompts, tokenizer)
     report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
     source = "held-out openings" if args.openings else "prompts"
