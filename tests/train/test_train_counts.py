@@ -49,7 +49,8 @@ def test_a_billion_steps_train_under_the_cap(story_file, tmp_path):
 
 
 def test_validation_windows_are_bounded_by_their_product(story_file, tmp_path):
-    """--eval-batches and --batch-size each pass their bounds; 10,000 x 1,024 windows of 16 tokens held 1.2 GiB up front."""
+    """--eval-batches and --batch-size each pass their bounds; 10,000 x 1,024 windows of 16 tokens held 1.2 GiB
+    up front."""
     res = run_capped([*base(story_file, tmp_path / "out"), "--eval-batches", "10000", "--batch-size", "1024"])
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
