@@ -225,11 +225,26 @@ def main(argv=None):
             ranks.stop(finished)
 
 
+VALIDATION_BYTES = 2**30  # the validation windows, drawn once and held for the whole run (int64 ids)
+
+
+def check_validation(run: dict, window: int):
+    """Refuse, before any work, --eval-batches x --batch-size windows that would hold more than VALIDATION_BYTES,
+    naming the largest --eval-batches that fits (each flag is bounded alone; their product was not)."""
+    per_batch = run["batch_size"] * window * 8
+    if run["eval_batches"] * per_batch > VALIDATION_BYTES:
+        raise UserError(f"--eval-batches {run['eval_batches']} of --batch-size {run['batch_size']} windows of "
+                        f"{window} tokens hold {run['eval_batches'] * per_batch / 2**30:.1f} GiB of validation "
+                        f"windows; pass --eval-batches {max(1, VALIDATION_BYTES // per_batch)} or less")
+
+
 def train(args, ranks, run: dict, out, ckpt, precision, device: str):
     torch.manual_seed(run["seed"])  # every rank builds the same initial weights
     model = build_model(run, device, ckpt, out / "ckpt.pt")
     describe(model, run)
     check_fits(model, precision.dtype, -(-run["batch_size"] // ranks.world), device)  # this rank's windows
+    if not run["distill"]:  # a student's validation is its teacher's stories (extras/distill.py)
+        check_validation(run, model.config.context + LOSSES[run["model"]][1])
     compiled = args.compile if args.compile is not None else device.startswith("cuda")
     if compiled:
         compile_step(model)

@@ -23,7 +23,7 @@ from importlib.util import find_spec
 from tinydiff.ar import ar_generate
 from tinydiff.bench.curve import agreement, curve_aups, curve_rows, greedy_texts, plot_curve
 from tinydiff.bench.moe_stats import routing_from_flags
-from tinydiff.checks import COUNT, COUNT_OR_NONE, MASS, NATS, POSITIVE, TEMPERATURE, UserError, number_list
+from tinydiff.checks import COUNT, MASS, NATS, POSITIVE, TEMPERATURE, Rule, UserError, number_list
 from tinydiff.data import load_tokens
 from tinydiff.dmoe import ROUTINGS
 from tinydiff.extras.drafted_diffusion import ar_drafted_generate
@@ -36,7 +36,12 @@ from tinydiff.io.files import check_output
 from tinydiff.io.tokens import prepare_tokens
 from tinydiff.sampler import generate, generate_cached
 from tinydiff.tokenizer import EOT, Tokenizer
+from tinydiff.tools.eval import SAMPLES
 from tinydiff.tools.judge import sample_and_judge
+
+# Self-correction steps per block: each one a forward of the whole canvas, so a count is a run's length; past a
+# block's largest size (1,024 positions) it is a typo.
+REVISE = Rule(integer=True, lo=0, hi=1024)
 
 
 def cached(key: str, remasking="low_confidence", **rule):
@@ -85,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--ar", help="AR checkpoint (ar or ar-moe) to sample from as a baseline (skipped without it)")
     p.add_argument("--draft", help="with --curve and --ar: an AR draft for the speculative point")
     p.add_argument("--k", type=COUNT, default=4, help="draft tokens per round for the speculative point")
-    p.add_argument("--samples", type=COUNT, default=64, help="stories per sampler")
+    p.add_argument("--samples", type=SAMPLES, default=64, help="stories per sampler")
     p.add_argument("--gen-length", type=COUNT, default=64, help="tokens per sample")
     p.add_argument("--block-length", type=COUNT, default=32, help="the diffusion samplers fill blocks of this many tokens left to right")
     p.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature of every sampler")
@@ -95,7 +100,7 @@ def parse_args(argv=None):
     p.add_argument("--draft-positions", type=COUNT, default=2, help="for distilled-self-spec and distilled-ar-drafted: "
                    "positions drafted a round (from the model's own distributions, or by --student-draft), verified by "
                    "one batched forward (lossless)")
-    p.add_argument("--revise", type=COUNT_OR_NONE, default=4, help="self-correction steps per block, for diffusion-revise")
+    p.add_argument("--revise", type=REVISE, default=4, help="self-correction steps per block, for diffusion-revise")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma list from: {', '.join(SAMPLERS)}")
     curve = p.add_argument_group("--curve: tokens per forward against quality")
     curve.add_argument("--curve", action="store_true", help="measure the curve instead of the --samplers table")
@@ -161,6 +166,25 @@ def check_args(args):
         raise UserError("--plot needs matplotlib: pip install -r requirements-plots.txt, or drop --plot")
 
 
+def clamp_counts(args):
+    """Draft counts no round can use, clamped where they enter, each said once: a speculative round drafts at
+    most the gen_length - 1 tokens before its bonus, a diffusion round at most a block's positions. The clamped
+    run writes what the count would have (the samplers clamp the same way inside): the same stories."""
+    def clamped(name: str, value: int, most: int, what: str) -> int:
+        if value > most and name[2:].replace("-", "_") in args.given:  # a default clamped says nothing
+            print(f"notice: {name} {value} is more than {what}; drafting at most {most} a round", file=sys.stderr)
+        return min(value, most)
+    block = f"a block's {args.block_length} positions"
+    args.k = clamped("--k", args.k, max(1, args.gen_length - 1),
+                     f"the {max(1, args.gen_length - 1)} drafts a round of {args.gen_length} new tokens can use")
+    args.draft_positions = clamped("--draft-positions", args.draft_positions, args.block_length, block)
+    for dest in ("self_spec_drafts", "ar_drafted_drafts"):
+        counts = getattr(args, dest)
+        if any(k > args.block_length for k in counts):
+            clamped(flag(dest), max(counts), args.block_length, block)
+            setattr(args, dest, list(dict.fromkeys(min(k, args.block_length) for k in counts)))  # one point each
+
+
 SAMPLING = ("samples", "gen_length", "block_length", "temperature", "judge")  # what makes two curve points comparable
 
 
@@ -217,6 +241,7 @@ def run_curve(args, models, judge):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
+    clamp_counts(args)
     wanted = [name.strip() for name in args.samplers.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in SAMPLERS]
     if unknown or not wanted:

@@ -130,6 +130,11 @@ READ_BY = {"drafter": lambda m: m.startswith(("dflash-", "ddtree-")), "eagle": l
            "min_confidence": lambda m: m.endswith("-sched"), "draft_vocab": lambda m: m in FR_ROWS}
 
 
+# Held-out openings (--openings, --report): each is decoded by every method, and drawn up front (8 tokens each);
+# past this a count is a typo that would hold its openings in memory before the first decode.
+OPENINGS = 10_000
+
+
 def check_args(args) -> list[str]:
     """The methods to run; every flag checked before any model loads (a bad --json path included)."""
     if args.methods is None:
@@ -147,6 +152,9 @@ def check_args(args) -> list[str]:
     if args.prompts > len(PROMPTS) and not (args.report or args.openings):
         raise UserError(f"--prompts must lie in [1, {len(PROMPTS)}] (any count >= 1 with --openings or --report, "
                         f"which draw held-out story openings), got {args.prompts}")
+    if args.prompts > OPENINGS:
+        raise UserError(f"--prompts {args.prompts}: the bench decodes at most {OPENINGS:,} held-out openings (every "
+                        f"method decodes each); pass at most {OPENINGS:,}")
     for dest, reads in READ_BY.items():
         if dest in args.given and not any(reads(m) for m in methods):
             raise UserError(f"{flag(dest)} is read by no row of --methods {','.join(methods)}; add a "
@@ -280,6 +288,18 @@ def print_table(rows: list[dict], c: float):
                   f"{1e3 * r['moe_seconds_per_forward']:.1f} ms in MoE layers per forward")
 
 
+def check_room(new_tokens: int, methods, models, prompts):
+    """--new-tokens must fit after the longest prompt in the context of every model the rows decode with: one line
+    before the first decode (each method checks it too, but after the progress bar has started)."""
+    used = {USES.get(m, "mdlm") for m in methods}
+    context = min((models["moe"] if u.startswith("moe-") else models[u]).config.context for u in used)
+    longest = max(map(len, prompts))
+    if new_tokens > context - longest:
+        raise UserError(f"--new-tokens {new_tokens} does not fit: a {longest}-token prompt leaves "
+                        f"{max(0, context - longest)} of a {context}-token context; pass at most "
+                        f"{max(1, context - longest)}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     methods = check_args(args)
@@ -297,6 +317,7 @@ def main(argv=None):
         print(f"notice: skipping {', '.join(too_big)}: the drafter was trained with blocks of "
               f"{models['drafter'].config.block_size}", file=sys.stderr)
         methods = [m for m in methods if m not in too_big]
+    check_room(args.new_tokens, methods, models, prompts)
     rows, c = measure_rows(args, methods, models, prompts, tokenizer)
     report = {"device": device_name(args.device), "draft_target_cost_c": c, "rows": rows}
     source = "held-out openings" if args.openings else "prompts"

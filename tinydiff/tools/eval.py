@@ -37,6 +37,10 @@ from tinydiff.tools.judge import sample_and_judge
 
 STORIES = 1000
 MC = Rule(integer=True, lo=2, hi=10**4)  # noise draws: two at least, for a standard error
+# Judged stories: each is held until the bootstrap, which draws 2,000 resamples of them at once (judge.py), about
+# 50 KB a story; 10,000 pin the perplexity's interval to a twelfth of 64 stories' width (quality.py shares it).
+SAMPLES = Rule(integer=True, lo=1, hi=10**4)
+LOGITS_BUDGET = 2**30  # bytes: one scoring batch's float32 logits (B x context x vocabulary), whatever --batch-size
 
 
 def parse_args(argv=None):
@@ -46,9 +50,10 @@ def parse_args(argv=None):
     parser.add_argument("--data", help="a TinyStories-format file whose first 1,000 stories are scored (default: "
                                        "Hugging Face's validation split, downloaded)")
     parser.add_argument("--mc", type=MC, default=4, help="noise draws of a diffusion LM's bound")
-    parser.add_argument("--batch-size", type=COUNT, default=8, help="windows per forward")
+    parser.add_argument("--batch-size", type=COUNT, default=8, help="windows per forward (at most what 1 GiB of "
+                                                                     "logits holds; past the windows, all of them)")
     parser.add_argument("--judge", help="an AR model: adds generative perplexity and distinct-2 of --samples stories")
-    parser.add_argument("--samples", type=COUNT, default=64, help="stories the judge scores")
+    parser.add_argument("--samples", type=SAMPLES, default=64, help="stories the judge scores")
     parser.add_argument("--gen-length", type=COUNT, default=128, help="tokens per judged story")
     parser.add_argument("--block-length", type=COUNT, default=32,
                         help="a diffusion LM's judged stories: the cached sampler's block, one token per step")
@@ -95,6 +100,21 @@ def eval_windows(stories: list[str], context: int, tokenizer) -> torch.Tensor:
     if n == 0:
         raise UserError(f"the evaluation text holds {len(stream)} tokens, less than one {context}-token window")
     return torch.tensor(stream[:n * context]).view(n, context)
+
+
+def scoring_batch(batch_size: int, windows, vocab_size: int) -> int:
+    """The windows a scoring forward takes: --batch-size, or every window where it asks for more (the same
+    one batch, so the same numbers; said once); refused where its logits would pass LOGITS_BUDGET."""
+    n, length = windows.shape
+    per_window = length * vocab_size * 4  # a window's float32 logits
+    fits = max(1, LOGITS_BUDGET // per_window)
+    if min(batch_size, n) > fits:
+        raise UserError(f"--batch-size {batch_size}: a batch of {min(batch_size, n):,} windows of {length} tokens "
+                        f"holds {min(batch_size, n) * per_window / 2**30:.1f} GiB of logits; pass at most {fits}")
+    if batch_size > n:
+        print(f"notice: --batch-size {batch_size} is more than the {n} windows; scoring them in one batch",
+              file=sys.stderr)
+    return min(batch_size, n)
 
 
 @torch.no_grad()
@@ -147,8 +167,9 @@ def main(argv=None):
                         f"context of {model.config.context}; pass at most {model.config.context - 1}")
     tokenizer = Tokenizer()
     windows = eval_windows(stories, model.config.context, tokenizer).to(args.device)
+    batch_size = scoring_batch(args.batch_size, windows, model.config.vocab_size)
     result = {"ckpt": str(args.ckpt), "kind": ckpt["kind"], "stories": len(stories),
-              **score(model, ckpt["kind"], windows, args.mc, args.batch_size, tokenizer)}
+              **score(model, ckpt["kind"], windows, args.mc, batch_size, tokenizer)}
     what = "NLL" if ckpt["kind"] in AR_KINDS else f"ELBO bound ({args.mc} noise draws, +- MC stderr)"
     print(f"{args.ckpt}: {result['stories']} stories, {result['windows']} windows of {model.config.context}, "
           f"{result['tokens']:,} tokens scored")

@@ -58,8 +58,10 @@ DISTILL_LOSSES = ("certainty", "tad")  # extras/distill.LOSSES
 CONTEXT = Rule(integer=True, lo=16, hi=2**16)   # room for the sample's prompt and some story after it
 MIN_RATE = Rule(lo=0, hi=10)
 CLIP = Rule(above=0, hi=1e6)                     # a norm to clip to: 0 would be no step at all
-# Counts whose every unit is memory held at once: the batch, the validation windows, the stories written.
-BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**6))
+# Counts whose every unit is memory held at once: the batch, the validation windows, the stories written (a
+# story's tokens are held as a list until the last is written, a student's teacher stories as (2, context) int32
+# rows: 10^5 stories of a 256-token context hold about 1 GB, 10^6 would hold about 9).
+BATCH, BATCHES, STORIES = (Rule(integer=True, lo=1, hi=hi) for hi in (2**16, 10**4, 10**5))
 SAMPLING_TEMPERATURE = Rule(lo=0.01, hi=100)  # a temperature one samples at (0 is greedy: the default labels)
 LAYER_ID = Rule(integer=True, lo=0, hi=1024)     # a target block, 0-indexed (its output); the target bounds it further
 layer_ids = number_list(LAYER_ID)  # '1,2,4' -> [1, 2, 4]
