@@ -12,6 +12,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+import pytest
+
 from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
 
@@ -71,6 +73,24 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))"""
     assert {"tinydiff.ar", "tinydiff.model", "tinydiff.tokenizer", "tinydiff.io.checkpoint"} <= set(loaded)
     assert sorted(m for m in loaded if m not in CORE and m != "tinydiff") == sorted(PLUMBING)
     assert not {"tinydiff.speculative", "tinydiff.dflash", "tinydiff.sampler"} & set(loaded)  # only what AR runs
+
+
+@pytest.mark.parametrize("kind", ["ar", "mdlm"])
+def test_a_training_run_loads_the_method_it_trains_and_no_other(story_file, tmp_path, kind):
+    """train.py imports a kind's loss when that kind trains (its LOSSES), and a variant only when the run uses
+    it: an AR or MDLM run, in a fresh interpreter, loads neither the drafters, the MoE, FP4 nor any variant."""
+    argv = ["--model", kind, "--data", str(story_file), "--out", str(tmp_path / "run"), "--preset", "draft",
+            "--context", "16", "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1",
+            "--device", "cpu"]
+    loaded = set(fresh(f"""
+import json, sys
+import train
+train.main({argv!r})
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("tinydiff"))))"""))
+    assert {f"tinydiff.{'ar' if kind == 'ar' else 'diffusion'}", "tinydiff.train.fused_loss"} <= loaded
+    others = {"tinydiff.dflash", "tinydiff.eagle3", "tinydiff.ddtree", "tinydiff.speculative", "tinydiff.dmoe",
+              "tinydiff.fp4", "tinydiff.extras"}
+    assert not others & loaded
 
 
 def test_no_table_cell_runs_long():

@@ -1,7 +1,6 @@
 """Spec: train.py. An interrupted-then-resumed run ends with the same weights as an uninterrupted
 one (Ctrl-C and a hard kill alike); flags that would silently change a resumed run are errors."""
 import hashlib
-import json
 import os
 import re
 import resource
@@ -147,21 +146,6 @@ def test_learning_rate_schedule():
     run = {"lr": 1.0, "min_lr": 0.1, "warmup": 10, "max_steps": 110}
     assert train.lr_at(0, run) == pytest.approx(0.1) and train.lr_at(9, run) == pytest.approx(1.0)
     assert train.lr_at(60, run) == pytest.approx(0.55) and train.lr_at(110, run) == pytest.approx(0.1)
-
-
-@pytest.mark.parametrize("kind", ["ar", "mdlm"])
-def test_a_run_loads_the_method_it_trains_and_no_other(story_file, tmp_path, kind):
-    """train.py imports a kind's loss when that kind trains (LOSSES), and a variant only when the run uses it:
-    an AR or MDLM run, in a fresh interpreter, loads neither the drafters, the MoE, FP4 nor any variant."""
-    code = (f"import json, sys, train; train.main({argv(story_file, tmp_path / 'run', '--max-steps', '1', kind=kind)!r}); "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tinydiff'))))")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
-    assert {f"tinydiff.{'ar' if kind == 'ar' else 'diffusion'}", "tinydiff.train.fused_loss"} <= loaded
-    others = {"tinydiff.dflash", "tinydiff.eagle3", "tinydiff.ddtree", "tinydiff.speculative", "tinydiff.dmoe",
-              "tinydiff.fp4", "tinydiff.extras"}
-    assert not others & loaded
 
 
 def test_user_errors_are_one_line_without_traceback(tmp_path):
