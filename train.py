@@ -42,7 +42,7 @@ from tinydiff.io import progress
 from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.io.cli import add_device, make_parser, run_main
 from tinydiff.io.files import StopOnSignal, claim_run_folder
-from tinydiff.io.tokens import prepare_tokens
+from tinydiff.io.tokens import prepare_tokens, recorded_sha256
 from tinydiff.tokenizer import Tokenizer
 from tinydiff.train import fused_loss
 from tinydiff.train.batches import with_variants
@@ -255,7 +255,7 @@ def train(args, ranks, run: dict, out, ckpt, precision, device: str):
             check_new(out)  # another run may have finished here since the first look
         with ranks.first():  # rank 0 tokenises; the others then read its cache
             token_paths = prepare_tokens(run["data"], args.cache_dir)
-        data_id = same_data(ckpt, token_paths, out / "ckpt.pt")
+        data_id = same_data(ckpt, recorded_sha256(token_paths[0]), out / "ckpt.pt")
         train_tokens, val_tokens = (load_tokens(path) for path in token_paths)
         loss_fn, extra = training_loss(run["model"])
         # The research variants' losses and text (the Markov head, soft labels, QAT, regeneration): a hook each,

@@ -7,6 +7,7 @@ very logits the cached sampler computes (float64, shifted models included); the 
 the plain-CE limit and TAD's KL; bad input is a one-line error.
 """
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,21 +244,34 @@ def test_a_student_fits_a_teacher_saved_before_the_newer_config_fields(tmp_path)
         student_from(tmp_path / "teacher.pt", "mdlm-moe", tmp_path / "wider.pt")
 
 
-@pytest.mark.parametrize("damage", ["0xff", "cut", "floats"])
-def test_damaged_trajectories_are_refused_naming_the_file(tmp_path, damage):
-    """A run's cached trajectories read back checked: ids past GPT-2's last (a file overwritten in place), a
-    file cut short, or another program's array of the right shape: one line naming the file to delete."""
+SOURCE = {"teacher": "teacher.pt", "data": "stories.txt"}
+
+
+@pytest.mark.parametrize("damage", ["0xff", "other ids", "cut", "floats", "other seed", "no stamp"])
+def test_trajectories_that_fail_their_stamp_are_written_again(tmp_path, capsys, damage):
+    """A run's cached trajectories are read back only while their stamp holds: overwritten in place (ids past
+    GPT-2's last, or in-range ids in another order: the sha256), cut short, another program's array, left by a
+    run with another seed, or without a stamp, the teacher writes them again, with one notice naming the file."""
     path = tmp_path / "trajectories.npy"
     model = teacher(False)
-    good = load_or_write(path, model, corpus(), config(), seed=1)
-    assert (load_or_write(path, model, corpus(), config(), seed=1) == good).all()  # read back as written
+    good = load_or_write(path, SOURCE, model, corpus(), config(), seed=1)
+    assert (load_or_write(path, SOURCE, model, corpus(), config(), seed=1) == good).all()  # read back as written
+    assert "notice" not in capsys.readouterr().err
     data = path.read_bytes()
     header = len(data) - good.nbytes
+    seed = 2 if damage == "other seed" else 1
     if damage == "0xff":
         path.write_bytes(data[:header] + b"\xff" * good.nbytes)
+    elif damage == "other ids":
+        path.write_bytes(data[:header] + good[::-1].tobytes())
     elif damage == "cut":
         path.write_bytes(data[:-4])
-    else:
+    elif damage == "floats":
         np.save(path, good.astype(np.float32), allow_pickle=False)
-    with pytest.raises(UserError, match=f"{path}.*delete it so the teacher writes it again"):
-        load_or_write(path, model, corpus(), config(), seed=1)
+    elif damage == "no stamp":
+        Path(f"{path}.stamp.json").unlink()
+    again = load_or_write(path, SOURCE, model, corpus(), config(), seed=seed)
+    assert capsys.readouterr().err.count(f"notice: {path} ") == 1
+    expected = load_or_write(tmp_path / "fresh.npy", SOURCE, model, corpus(), config(), seed=seed)
+    assert (again == expected).all() and (np.load(path) == expected).all()
+    assert (again == good).all() == (seed == 1)

@@ -1,5 +1,7 @@
 """The target's regenerated training text: batched, and the same stories one-at-a-time decoding writes;
 a diffusion target's, written by its left-to-right sampler (exact greedy text, and the sampler's joint)."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,14 @@ from stats_helpers import assert_follows_the_joint, random_model
 
 from tinydiff.ar import ar_generate
 from tinydiff.checks import UserError
-from tinydiff.extras.regenerate import continue_diffusion_batch, first_repeat, regenerate, story_openings, trim_loops
+from tinydiff.extras.regenerate import (
+    continue_diffusion_batch,
+    first_repeat,
+    load_or_regenerate,
+    regenerate,
+    story_openings,
+    trim_loops,
+)
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import generate_cached
 from tinydiff.tokenizer import EOT
@@ -73,6 +82,32 @@ def test_sampled_openings_are_sampled_then_continued_greedily(tiny_model):
         assert story == story[:4] + [t for t in ids if t != EOT]
     again = regenerate(target, corpus(), 9, seed=5, opening=4, batch_size=4, sampled_openings=True)
     assert np.array_equal(text, again)
+
+
+@pytest.mark.parametrize("damage", ["0xff", "other text", "cut", "other seed", "no stamp"])
+def test_regenerated_stories_that_fail_their_stamp_are_written_again(tiny_model, tmp_path, capsys, damage):
+    """A run's regenerated stories are read back only while their stamp holds: overwritten in place with 0xFF
+    (ids past the vocabulary) or with the same ids reversed (the sha256), cut short, left by a run with
+    another seed, or without a stamp, the target writes them again, with one notice naming the file."""
+    path, source = tmp_path / "regenerated.u16", {"target": "target.pt", "data": "stories.txt"}
+    target = StopsEarly(tiny_model).eval()
+    good = load_or_regenerate(path, source, target, corpus(), 5, seed=1)
+    assert np.array_equal(load_or_regenerate(path, source, target, corpus(), 5, seed=1), good)
+    assert "notice" not in capsys.readouterr().err
+    seed = 2 if damage == "other seed" else 1
+    if damage == "0xff":
+        path.write_bytes(b"\xff" * good.nbytes)
+    elif damage == "other text":
+        path.write_bytes(good[::-1].tobytes())
+    elif damage == "cut":
+        path.write_bytes(good[:-1].tobytes())
+    elif damage == "no stamp":
+        Path(f"{path}.stamp.json").unlink()
+    again = load_or_regenerate(path, source, target, corpus(), 5, seed=seed)
+    assert capsys.readouterr().err.count(f"notice: {path} ") == 1
+    expected = regenerate(target, corpus(), 5, seed=seed)
+    assert np.array_equal(again, expected) and np.array_equal(np.fromfile(path, dtype=np.uint16), expected)
+    assert np.array_equal(again, good) == (seed == 1)
 
 
 def test_first_repeat_ends_the_first_ngram_seen_before():

@@ -1,5 +1,6 @@
 """Spec for tinydiff/io/tokens.py: story files -> cached uint16 token files, never trusted half-written, nor
 damaged in place (a recorded sha256), nor holding an id past the vocabulary (data.load_tokens)."""
+import hashlib
 import json
 import os
 import re
@@ -326,11 +327,12 @@ def test_a_cache_from_before_checksums_is_tokenised_again(tmp_path, capsys):
     capsys.readouterr()
     io_tokens.prepare_tokens(src, tmp_path / "cache")
     assert "predates its checksum; tokenising again" in capsys.readouterr().err
-    assert json.loads(stamp_path.read_text())["sha256"] == io_tokens.tokens_digest(train, val)
+    digest = hashlib.sha256(train.read_bytes() + val.read_bytes()).hexdigest()
+    assert json.loads(stamp_path.read_text())["sha256"] == digest == io_tokens.recorded_sha256(train)
 
 
 def test_a_token_file_with_ids_past_the_vocabulary_is_refused_naming_it(tmp_path):
-    """What reads a token file without a stamp (a run's regenerated stories) meets the range check."""
+    """Every token file read (the cache, a run's regenerated stories) meets the range check too: one pass, no stamp."""
     path = tmp_path / "regenerated.u16"
     np.array([1, EOT, EOT + 1], dtype=np.uint16).tofile(path)
     with pytest.raises(UserError, match=f"token file {path} holds id {EOT + 1}, past GPT-2's last"):

@@ -30,7 +30,6 @@ so its groups start one token early, with the finished token before the block.
 Leaves out: dParallel's second pass on the complementary mask, d3LLM's curriculum over mask ratios,
 distilling a sampler with self-correction.
 """
-import os
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -44,7 +43,7 @@ from tinydiff.dmoe import balance_loss
 from tinydiff.extras.regenerate import story_openings
 from tinydiff.io import progress
 from tinydiff.io.checkpoint import DIFFUSION_KINDS, config_from, load_checkpoint, load_model, model_from
-from tinydiff.io.files import write_atomic
+from tinydiff.io.files import stamp_holds, write_stamped
 from tinydiff.model import wide
 from tinydiff.sampler import REMASKING, generate_cached
 from tinydiff.tokenizer import EOT, MASK
@@ -152,27 +151,18 @@ def write_trajectories(teacher, tokens, config: DistillConfig, seed: int, desc="
     return out
 
 
-def load_or_write(path, teacher, tokens, config: DistillConfig, seed: int, desc="teacher") -> np.ndarray:
-    """The trajectories cached at `path` (.npy, written atomically, read without pickle), made once."""
-    shape = (config.stories, 2, 1 + config.max_opening + blocks_per_story(teacher.config.context, config) *
-             config.block_length)
-    if os.path.exists(path):
-        try:
-            out = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:  # a damaged header, a cut file, a foreign one
-            raise UserError(f"{path} is not a trajectories file ({type(e).__name__}); delete it so the teacher "
-                            "writes it again") from None
-        if out.shape != shape:
-            raise UserError(f"{path} holds stories of shape {out.shape}, this run writes {shape}: it is another "
-                            "run's; delete it or pass another --out")
-        ids, steps = out[:, 0], out[:, 1]
-        if (out.dtype != np.int32 or ids.min() < 0 or ids.max() > EOT or steps.min() < PAD
-                or steps.max() >= config.block_length):
-            raise UserError(f"{path} holds values no teacher writes (token ids past GPT-2's last or steps past a "
-                            "block): it is damaged; delete it so the teacher writes it again")
-        return out
+WRITES = ("stories", "block_length", "blocks", "max_opening", "temperature", "order")  # what the trajectories depend on
+
+
+def load_or_write(path, source: dict, teacher, tokens, config: DistillConfig, seed: int, desc="teacher") -> np.ndarray:
+    """The trajectories cached at `path` (.npy, read without pickle; written atomically and stamped: `source`,
+    which names the teacher and the data, the seed and the config's WRITES), made once and made again where
+    the stamp fails."""
+    made_by = {**source, "seed": seed, **{key: getattr(config, key) for key in WRITES}}
+    if stamp_holds(path, made_by):
+        return np.load(path, allow_pickle=False)
     out = write_trajectories(teacher, tokens, config, seed, desc)
-    write_atomic(path, lambda f: np.save(f, out, allow_pickle=False))
+    write_stamped(path, lambda f: np.save(f, out, allow_pickle=False), made_by)
     return out
 
 
@@ -343,13 +333,15 @@ def distill_run(run: dict, out, train_tokens, val_tokens, device="cpu", objectiv
     student kind's own loss, for the anchor."""
     config = DistillConfig(**{key: run[flag] for key, flag in FLAGS.items() if run.get(flag) is not None})
     teacher, _ = load_teacher(run["distill"], run["model"], device)
-    train = load_or_write(out / "trajectories.npy", teacher, train_tokens, config, run["seed"],
+    source = {"teacher": run["distill"], "data": run["data"]}
+    train = load_or_write(out / "trajectories.npy", source, teacher, train_tokens, config, run["seed"],
                           "teacher (training)")
     rows = run["eval_batches"] * run["batch_size"]
     # the validation batches (or a tenth of the stories), never more stories than the run trains on: a
     # request for 4 writes 4 more, not 256
     val_config = replace(config, stories=min(max(rows, config.stories // 10), config.stories))
-    val = load_or_write(out / "trajectories-val.npy", teacher, val_tokens, val_config, run["seed"], "teacher (validation)")
+    val = load_or_write(out / "trajectories-val.npy", source, teacher, val_tokens, val_config, run["seed"],
+                        "teacher (validation)")
     print(f"distilling {run['distill']}: {len(train):,} stories of {train.shape[-1]} tokens written at temperature "
           f"{config.temperature:g} in {config.order.replace('_', '-')} order, {config.loss} loss, "
           f"certainty weight {config.certainty_weight:g}"

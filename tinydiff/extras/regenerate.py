@@ -19,8 +19,6 @@ left-to-right one-token-per-step sampler, the process that draft is verified aga
 train.py's hook (`train_hook`, train/batches.py) replaces a run's text with these stories.
 Leaves out: continuations at several temperatures in one run, mixing regenerated and real text.
 """
-import os
-
 import numpy as np
 import torch
 
@@ -28,7 +26,7 @@ from tinydiff.checks import UserError
 from tinydiff.data import load_tokens
 from tinydiff.extras.drafted_diffusion import logits_at
 from tinydiff.io import progress
-from tinydiff.io.files import write_atomic
+from tinydiff.io.files import stamp_holds, write_stamped
 from tinydiff.sampling import next_token_probs, sample
 from tinydiff.tokenizer import EOT, MASK
 
@@ -126,16 +124,16 @@ def regenerate(target, tokens, n: int, seed: int, opening: int = 8, temperature:
     generator = torch.Generator(target.embed.weight.device).manual_seed(seed)
     prompts = [[EOT]] * n if sampled_openings else [[EOT] + p for p in story_openings(tokens, n, opening, seed)]
     sample_first = opening if sampled_openings else 0
-    out = []
+    out = []  # a uint16 array a story: 2 bytes a token, where a list of ints would hold about 36
     bar = progress.bar(total=n, desc=desc, unit="story")
     write = continue_batch if target.config.causal else continue_diffusion_batch
     for i in range(0, n, batch_size):
         chunk = prompts[i:i + batch_size]
         for prompt, ids in zip(chunk, write(target, chunk, temperature, generator, sample_first)):
-            out += prompt + [t for t in ids if t != EOT]
+            out.append(np.array(prompt + [t for t in ids if t != EOT], dtype=np.uint16))
         bar.update(len(chunk))
     bar.close()
-    return np.array(out + [EOT], dtype=np.uint16)
+    return np.concatenate(out + [np.array([EOT], dtype=np.uint16)])
 
 
 def first_repeat(story, ngram: int) -> int:
@@ -171,13 +169,16 @@ def validation_stories(n: int) -> int:
     return min(n, max(16, n // 10))
 
 
-def load_or_regenerate(path, target, tokens, n: int, seed: int, sampled_openings: bool = False,
+def load_or_regenerate(path, source: dict, target, tokens, n: int, seed: int, sampled_openings: bool = False,
                        temperature: float = 0.0, desc: str = "regenerating") -> np.ndarray:
-    """The regenerated text cached at `path` (written atomically), made once per run; `desc` names its bar."""
-    if os.path.exists(path):
-        return np.array(load_tokens(path))  # its ids checked: a damaged file is refused, naming it
+    """The regenerated text cached at `path` (written atomically and stamped: `source`, which names the target
+    and the data, and this call's settings), made once per run and made again where the stamp fails;
+    `desc` names its bar."""
+    made_by = {**source, "stories": n, "seed": seed, "sampled_openings": sampled_openings, "temperature": temperature}
+    if stamp_holds(path, made_by):
+        return np.array(load_tokens(path))
     text = regenerate(target, tokens, n, seed, temperature=temperature, sampled_openings=sampled_openings, desc=desc)
-    write_atomic(path, text.tofile)
+    write_stamped(path, text.tofile, made_by)
     return text
 
 
@@ -188,10 +189,11 @@ def train_hook(run: dict, model, target, loss_fn, train_tokens, val_tokens, out)
     stories are sampled at T, else greedy. The loss is kept. Returns (loss_fn, train_tokens, val_tokens)."""
     temperature = run["draft_temperature"] or 0.0
     train_file, val_file = (out / name for name in FILES)
-    text = load_or_regenerate(train_file, target, train_tokens, run["regenerate"], run["seed"],
+    source = {"target": run["target"], "data": run["data"]}
+    text = load_or_regenerate(train_file, source, target, train_tokens, run["regenerate"], run["seed"],
                               run["openings"] == "target", temperature, "target writes training stories")
     trimmed = trim_loops(text)
     print(f"regenerated text: {len(text):,} tokens, {len(trimmed):,} with its loops cut")
-    val_text = load_or_regenerate(val_file, target, val_tokens, validation_stories(run["regenerate"]), run["seed"],
-                                  temperature=temperature, desc="target writes validation stories")
+    val_text = load_or_regenerate(val_file, source, target, val_tokens, validation_stories(run["regenerate"]),
+                                  run["seed"], temperature=temperature, desc="target writes validation stories")
     return loss_fn, trimmed, val_text

@@ -4,15 +4,21 @@ Every file this project writes for later (a checkpoint, a token cache, regenerat
 teacher's trajectories) is written atomically: into `.NAME.tmpPID` beside it, flushed to disk, then
 renamed over NAME. A crash leaves the old NAME intact, and a kill -9 leaves at most that temp file,
 which `remove_stale_temps` deletes at the next start (the PID in its name says whether its writer
-is still alive). A run folder belongs to one run at a time: `claim_run_folder` holds an exclusive
+is still alive). A file the project reads back to learn from (regenerated stories, a teacher's trajectories) is
+also stamped: `write_stamped` records what made it and its sha256 in NAME.stamp.json, and `stamp_holds` checks
+both before use, so a file damaged in place (a disk error, another program) or left by another run is made again
+instead of trained on. A run folder belongs to one run at a time: `claim_run_folder` holds an exclusive
 lock (flock on OUT/.lock, released by the kernel when the process dies, however it dies), and
 `StopOnSignal` lets a training loop finish its step and save on Ctrl-C / SIGTERM instead of dying.
 Leaves out: locking on Windows (no fcntl there; the claim is skipped) and network filesystems
 whose flock is advisory only between clients of one host.
 """
+import hashlib
+import json
 import os
 import re
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,6 +83,49 @@ def write_atomic(path, write):
                         "or pass a writable folder") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sha256_of(*paths) -> str:
+    """The sha256 of the files' contents, one after another."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def stamp_of(path) -> Path:
+    return Path(f"{path}.stamp.json")
+
+
+def write_stamped(path, write, made_by: dict):
+    """write_atomic, then the stamp beside it: what made the file (`made_by`, JSON) and its sha256. The old
+    stamp goes first and the new one comes last, so a stamp never vouches for a file it was not written with."""
+    stamp_of(path).unlink(missing_ok=True)
+    write_atomic(path, write)
+    stamp = json.dumps({"made_by": made_by, "sha256": sha256_of(path)})
+    write_atomic(stamp_of(path), lambda f: f.write(stamp.encode()))
+
+
+def stamp_holds(path, made_by: dict) -> bool:
+    """Whether `path` exists, was made by `made_by` and still has the sha256 its stamp recorded. Where it exists
+    but fails (damaged in place, cut short, left by a run with other settings that was killed before its first
+    checkpoint, or without a stamp), one notice says it is made again."""
+    if not Path(path).exists():
+        return False
+    try:
+        stamp = json.loads(stamp_of(path).read_text())
+        if stamp["made_by"] != json.loads(json.dumps(made_by)):  # as JSON reads it back: tuples are lists
+            why = "was made by a run with other settings"
+        elif stamp["sha256"] != sha256_of(path):
+            why = "does not match the checksum it was written with"
+        else:
+            return True
+    except (OSError, ValueError, KeyError, TypeError):
+        why = "has no stamp to check it against"
+    print(f"notice: {path} {why}; making it again", file=sys.stderr)
+    return False
 
 
 def check_output(path, what: str):

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tinydiff.checks import UserError
-from tinydiff.io.files import remove_stale_temps, temp_beside
+from tinydiff.io.files import remove_stale_temps, sha256_of, temp_beside
 from tinydiff.tokenizer import EOT, Tokenizer
 
 SEPARATOR = "<|endoftext|>"   # a line exactly this (bar its line ending) ends a story
@@ -39,14 +39,11 @@ def prepare_tokens(data: str | None, cache_dir: str = "data") -> tuple[Path, Pat
 
 # ---- the cache: (train.u16, val.u16, tokens.json), the json written last as the "done" stamp
 
-def tokens_digest(*paths) -> str:
-    """The sha256 of token files' contents: what identifies a run's data."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
+def recorded_sha256(train_path) -> str:
+    """The sha256 of (train, val) that the cache's stamp recorded: what identifies a run's data. Read, not
+    computed again: prepare_tokens has just checked it against the files."""
+    stamp = Path(str(train_path).removesuffix("train.u16") + "tokens.json")
+    return json.loads(stamp.read_text())["sha256"]
 
 
 def _cache_paths(directory: Path, stem: str) -> tuple[Path, Path, Path]:
@@ -65,7 +62,7 @@ def _reusable(paths, expected: dict) -> bool:
                 and train.stat().st_size == 2 * stamp["train_tokens"]
                 and val.stat().st_size == 2 * stamp["val_tokens"]):
             return False
-        if stamp.get("sha256") == tokens_digest(train, val):
+        if stamp.get("sha256") == sha256_of(train, val):
             return True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
@@ -103,7 +100,7 @@ def _cache_temps(paths, cache_dir: Path) -> list[Path]:
 def _commit(temps, paths, stamp: dict):
     # A stale stamp must never vouch for a half-replaced pair, so it goes first and comes back last.
     paths[2].unlink(missing_ok=True)
-    stamp = {**stamp, "sha256": tokens_digest(temps[0], temps[1])}  # what _reusable checks the files against
+    stamp = {**stamp, "sha256": sha256_of(temps[0], temps[1])}  # what _reusable checks the files against
     os.replace(temps[0], paths[0])
     os.replace(temps[1], paths[1])
     temps[2].write_text(json.dumps(stamp))

@@ -30,7 +30,6 @@ from tinydiff.checks import (
 from tinydiff.io.checkpoint import KINDS, load_checkpoint
 from tinydiff.io.cli import check_device, flag
 from tinydiff.io.files import check_run_folder
-from tinydiff.io.tokens import tokens_digest
 from tinydiff.model import PRESETS
 
 DRAFTERS = ("dflash", "eagle3")  # trained against a frozen --target, which they hold as model.target
@@ -264,9 +263,8 @@ def defaults(args, device: str) -> dict:
     return run
 
 
-def same_data(ckpt, token_paths, path) -> str:
-    """The sha256 of the run's token files; a resumed run's must be the one its checkpoint recorded."""
-    digest = tokens_digest(*token_paths)
+def same_data(ckpt, digest: str, path) -> str:
+    """The sha256 of the run's token files (`digest`); a resumed run's must be the one its checkpoint recorded."""
     if ckpt is not None:
         stored = ckpt.get("data", {}).get("tokens")
         if stored is None:
