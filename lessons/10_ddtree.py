@@ -13,6 +13,7 @@ nodes on the likeliest continuations under those distributions, lays them out as
 them all in one target forward, with a mask that lets each node see only its own ancestors. When the
 drafter's favourite is wrong but its second guess is right, the tree still gets there.
 """
+import math
 import os
 import tempfile
 
@@ -146,7 +147,7 @@ with torch.no_grad():
     q = torch.softmax(p.log() + torch.randn(p.shape, generator=torch.Generator().manual_seed(1)), -1)
     g, walks = torch.Generator().manual_seed(2), 1000 if args.quick else 2000
     for k in (1, 3):
-        kept = sum(bool(follow_sampled_tree(build_sampled_tree(lambda depth, token: q, [0.5] * k, 1, k, g),
+        kept = sum(bool(follow_sampled_tree(build_sampled_tree(lambda depth, token: q, [-math.log(2)] * k, 1, k, g),
                                             lambda node: p, lambda depth, token: q, g)[0]) for _ in range(walks))
         print(f"   {k} child{'ren' if k > 1 else '   '}: the top {k} of q, kept if p's sample is one: "
               f"{float(p[q.topk(k).indices].sum()):.2f} | {k} draw{'s' if k > 1 else ' '} of q judged by rejection: "

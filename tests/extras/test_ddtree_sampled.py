@@ -71,7 +71,7 @@ def test_draws_are_a_sample_without_replacement():
 
 def one_node_tree(q, n_children, generator):
     """The root and n_children depth-1 children drawn from q."""
-    return fill(rank_shape([0.5] * n_children, 1, n_children), lambda depth, token: q, generator)
+    return fill(rank_shape([math.log(0.5)] * n_children, 1, n_children), lambda depth, token: q, generator)
 
 
 @pytest.mark.parametrize("case", Q_CASES)
@@ -101,7 +101,8 @@ def test_the_shape_reads_ranks_never_tokens():
     def q(depth, token):  # depends on the parent's token, as a Markov head's does
         return torch.softmax(torch.arange(6.0, dtype=torch.float64) * (token % 3 - 1), -1)
     for budget, depth in ((1, 3), (5, 2), (12, 4), (40, 3)):
-        trees = [build_sampled_tree(q, rates, depth, budget, torch.Generator().manual_seed(s)) for s in (0, 1)]
+        trees = [build_sampled_tree(q, [math.log(r) for r in rates], depth, budget, torch.Generator().manual_seed(s))
+                 for s in (0, 1)]
         assert torch.equal(trees[0].parents, trees[1].parents) and torch.equal(trees[0].depths, trees[1].depths)
         tree = trees[0]
         rank_paths = {0: ()}  # node -> its ranks from the root
@@ -124,9 +125,9 @@ def test_children_past_qs_support_are_dropped_with_their_subtrees():
     whole support) and drops the rest with everything under them; what remains is a tree: parents
     first, visibility exactly each node's ancestors and itself."""
     two = torch.tensor([0.0, 0.7, 0.0, 0.3, 0.0, 0.0], dtype=torch.float64)
-    rates = [0.4, 0.3, 0.2]
-    shape = build_sampled_tree(lambda depth, token: Q_CASES["close to p"], rates, 3, 20, torch.Generator())
-    tree = build_sampled_tree(lambda depth, token: two, rates, 3, 20, torch.Generator().manual_seed(0))
+    log_rates = [math.log(0.4), math.log(0.3), math.log(0.2)]
+    shape = build_sampled_tree(lambda depth, token: Q_CASES["close to p"], log_rates, 3, 20, torch.Generator())
+    tree = build_sampled_tree(lambda depth, token: two, log_rates, 3, 20, torch.Generator().manual_seed(0))
     assert len(children(shape, 0)) == 3 and tree.size < shape.size
     assert sorted(int(tree.tokens[c]) for c in children(tree, 0)) == [1, 3]
     for node in range(tree.size + 1):
@@ -154,11 +155,11 @@ def test_a_nodes_q_is_its_depths_row_biased_by_its_own_token():
 
 def test_rank_counts_are_what_the_walk_tested():
     """A hand-made walk: the root tests children 1 and 2 and accepts 2; that child tests its first
-    child and accepts it; the leaf tests nothing. rates() starts flat (1/2, 1/4, ..) and sums under 1."""
+    child and accepts it; the leaf tests nothing. The rates start flat (1/2, 1/4, ..) and sum under 1."""
     acceptance = RankAcceptance(3)
-    assert acceptance.rates() == [0.5, 0.25, 0.125]
+    assert acceptance.log_rates() == pytest.approx([math.log(0.5), math.log(0.25), math.log(0.125)], abs=1e-15)
     tree = one_node_tree(Q_CASES["close to p"], 3, torch.Generator().manual_seed(0))
-    grown = build_sampled_tree(lambda depth, token: Q_CASES["close to p"], [0.3, 0.6], 2, 4,
+    grown = build_sampled_tree(lambda depth, token: Q_CASES["close to p"], [math.log(0.3), math.log(0.6)], 2, 4,
                                torch.Generator().manual_seed(0))  # rank 1 beats rank 0: root's 2nd child has kids
     second = children(grown, 0)[1]
     assert children(grown, second)  # the walk below needs a grandchild on the second branch
@@ -166,7 +167,19 @@ def test_rank_counts_are_what_the_walk_tested():
     assert acceptance.tested == [2, 1, 0] and acceptance.accepted == [1, 1, 0]
     acceptance.update(tree, [])  # all three rejected
     assert acceptance.tested == [3, 2, 1] and acceptance.accepted == [1, 1, 0]
-    assert sum(acceptance.rates()) < 1 and min(acceptance.rates()) > 0
+    rates = [math.exp(a) for a in acceptance.log_rates()]
+    # b = (accepted + 1) / (tested + 2) = 2/5, 2/4, 1/3; a_k = b_k times the chance ranks before k all failed
+    assert rates == pytest.approx([2 / 5, 3 / 5 * 1 / 2, 3 / 5 * 1 / 2 * 1 / 3], abs=1e-15) and sum(rates) < 1
+
+
+def test_rank_rates_past_a_floats_range_still_order_a_tree():
+    """Under the flat prior a_k = 2^-(k+1): past rank 1,074 that is below the smallest float, so the rates are
+    kept in logs; a 2,000-rank tree still holds its ranks in order, each node's score its exact log rate."""
+    log_rates = RankAcceptance(2000).log_rates()
+    assert log_rates == pytest.approx([-(k + 1) * math.log(2) for k in range(2000)], rel=1e-12)
+    tree = rank_shape(log_rates, 1, 2000)
+    assert tree.size == 2000 and tree.tokens[1:].tolist() == list(range(2000))
+    assert tree.scores[1:].tolist() == pytest.approx(log_rates, rel=1e-12)
 
 
 # ---------------------------------------------------------------- the loop: test_ddtree's design
@@ -208,10 +221,8 @@ def test_bad_input_is_a_clear_error():
     target = random_model(ModelConfig(vocab_size=64, context=40, n_layer=2, n_head=2, d_model=32, d_ff=64), seed=5)
     drafter = random_drafter(target, seed=6, block_size=4, n_features=1)
     q = Q_CASES["close to p"]
-    with pytest.raises(UserError, match="rank acceptance rates must be positive"):
-        build_sampled_tree(lambda depth, token: q, [0.5, 0.0], 2, 4)
     with pytest.raises(UserError, match="budget"):
-        build_sampled_tree(lambda depth, token: q, [0.5], 2, 0)
+        build_sampled_tree(lambda depth, token: q, [math.log(0.5)], 2, 0)
     with pytest.raises(UserError, match="acceptance must be a RankAcceptance"):
         ddtree_sampled_generate(target, drafter, [1, 2], 4, temperature=1.0, acceptance=[0.5])
     with pytest.raises(UserError, match="temperature"):

@@ -52,13 +52,14 @@ class RankAcceptance:
     def __init__(self, ranks: int):
         self.tested, self.accepted = [0] * ranks, [0] * ranks
 
-    def rates(self) -> list[float]:
-        """a_k for k = 0..ranks-1: the chance the k-th child is the one accepted (all > 0)."""
-        out, reach = [], 1.0
+    def log_rates(self) -> list[float]:
+        """log a_k for k = 0..ranks-1, the chance the k-th child is the one accepted. In logs because a_k
+        halves with each rank under the flat prior: past about 1,075 ranks a float a_k would be 0."""
+        out, log_reach = [], 0.0
         for tested, accepted in zip(self.tested, self.accepted):
-            b = (accepted + 1) / (tested + 2)
-            out.append(reach * b)
-            reach *= 1 - b
+            b = (accepted + 1) / (tested + 2)  # in (0, 1): the prior keeps it off both ends
+            out.append(log_reach + math.log(b))
+            log_reach += math.log1p(-b)
         return out
 
     def update(self, tree, path):
@@ -113,14 +114,12 @@ def node_distributions(draft_logits, head, root_token: int, warp_args):
     return q
 
 
-def rank_shape(rates, max_depth: int, budget: int):
+def rank_shape(log_rates, max_depth: int, budget: int):
     """The shape: a Tree of up to `budget` nodes and depth <= max_depth holding the `budget` best
-    prefixes of ranks (0 = a node's first child) under the per-rank rates, a prefix scored by the sum
-    of its ranks' log rates (Tree.scores); its tokens are the ranks, until `fill` draws real ones."""
+    prefixes of ranks (0 = a node's first child) under the per-rank log rates, a prefix scored by the sum
+    of its ranks' (Tree.scores); its tokens are the ranks, until `fill` draws real ones."""
     check_budget(budget)
-    if not rates or min(rates) <= 0:
-        raise UserError(f"rank acceptance rates must be positive, got {rates!r}")
-    log_rates = [math.log(a) for a in rates[:budget]]
+    log_rates = list(log_rates[:budget])
     return best_first(budget, max_depth, lambda depth, token: (log_rates, list(range(len(log_rates)))))
 
 
@@ -151,9 +150,9 @@ def subtree(shape, tokens, keep):
                 shape.visibility[kept][:, kept])
 
 
-def build_sampled_tree(q, rates, max_depth: int, budget: int, generator=None):
+def build_sampled_tree(q, log_rates, max_depth: int, budget: int, generator=None):
     """`rank_shape` filled with draws: the tree a round verifies. Only nodes with children read q."""
-    return fill(rank_shape(rates, max_depth, budget), q, generator)
+    return fill(rank_shape(log_rates, max_depth, budget), q, generator)
 
 
 def follow_sampled_tree(tree, p_at, q, generator=None):
@@ -198,7 +197,7 @@ def ddtree_sampled_generate(target, drafter, prompt, max_new_tokens, block_size=
 
     def grow(logits, root_token, n):
         distributions["q"] = node_distributions(logits, getattr(drafter, "markov", None), root_token, warp_args)
-        return build_sampled_tree(distributions["q"], acceptance.rates(), len(logits), n, generator)
+        return build_sampled_tree(distributions["q"], acceptance.log_rates(), len(logits), n, generator)
 
     def judge(tree, p_at):  # a root alone (no draft: the last token) reads no q, and its walk is p's one sample
         path, bonus = follow_sampled_tree(tree, p_at, distributions.get("q"), generator)
