@@ -1,15 +1,17 @@
 """What the hostile-input tests share: run an entry point's main(argv) in-process the way its
 `__main__` does (tinydiff.io.cli.run_main), and the checks every refused case must pass: a non-zero
 exit status, exactly one line on stderr that starts with `error:`, no traceback, and nothing
-written or changed under the watched folders. Also the tampered checkpoints every loader meets, and
-`run_capped`: a command in a child process whose address space is capped, so that a case which allocates
-without bound fails its test instead of taking the machine."""
+written or changed under the watched folders. Also the tampered checkpoints every loader meets.
+A case that allocates without bound must fail its test, not take the machine: an in-process case runs with
+this process's address space capped at what it maps already plus 4 GiB (`capped`), and `run_capped` runs a
+command in a child process capped at 4 GiB (the huge-count tables: a child starts clean, for ~2 s each)."""
 import math
 import os
 import pickle
 import resource
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,10 +38,33 @@ def snapshot(*folders) -> dict:
     return files
 
 
-def exit_status(main, argv, **run_options) -> int:
-    """main(argv) run as its __main__ runs it; argparse's own exit (usage errors) included."""
+CAP = 4 * 2**30  # bytes a case may map beyond what the process has: a tiny model's run maps under 1 GiB
+
+
+@contextmanager
+def capped(extra: int = CAP):
+    """This process's address space capped (RLIMIT_AS's soft limit) at what it maps now plus `extra`, and
+    lifted again after: an allocation past it raises MemoryError here instead of growing until the kernel
+    kills something. Linux only (it reads /proc/self/status); elsewhere it caps nothing."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        yield
+        return
+    mapped = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith("VmSize"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + extra if hard == resource.RLIM_INFINITY else min(hard, mapped + extra)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
-        return run_main(main, [str(a) for a in argv], **run_options)
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def exit_status(main, argv, **run_options) -> int:
+    """main(argv) run as its __main__ runs it, under `capped`; argparse's own exit (usage errors) included."""
+    try:
+        with capped():
+            return run_main(main, [str(a) for a in argv], **run_options)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
 
@@ -109,8 +134,8 @@ def tampered_checkpoints(folder: Path, model, config, kind: str = "ar") -> dict:
 
 
 def run_capped(args, cap_gib: float = 4, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python ARGS` at the repository's root with its address space capped at cap_gib GiB (RLIMIT_AS; a tiny
-    model's run maps under 1 GiB): an allocation past the cap raises in the child, which then exits with a
+    """`python ARGS` at the repository's root with its address space capped at cap_gib GiB (RLIMIT_AS): an
+    allocation past the cap raises in the child, which then exits with a
     traceback or an out-of-memory line, and the test sees it fail."""
     limit = int(cap_gib * 2**30)
 

@@ -3,13 +3,14 @@ enters (finite, in range, an integer where it must be; 0 is a stated meaning or 
 "the default"), every checkpoint before a model is built from it, and each refusal is one line
 `error: ...`, a non-zero status, no traceback, nothing written. A closed stdout ends quietly."""
 import json
+import resource
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
-from hostile import NON_FINITE, ROOT, refused, run_capped, tampered_checkpoints
+from hostile import CAP, NON_FINITE, ROOT, exit_status, refused, run_capped, tampered_checkpoints
 
 import generate
 from tinydiff.io.checkpoint import save_checkpoint
@@ -36,6 +37,20 @@ CASES = [(flag, value) for flag, values in NUMBERS.items() for value in [*values
 def ar_ckpt(tmp_path, tiny_model, tiny_config):
     save_checkpoint(tmp_path / "ar.pt", kind="ar", config=tiny_config, model=tiny_model)
     return tmp_path / "ar.pt"
+
+
+def test_an_in_process_case_that_allocates_without_bound_fails_its_test():
+    """Every in-process case (hostile.refused, hostile.exit_status) runs under an address-space cap: past what
+    the process maps plus 4 GiB an allocation is a MemoryError that fails the test, where without the cap it
+    would be granted (calloc maps zero pages lazily) and a real one would fill the machine. The cap is lifted
+    after."""
+    before = resource.getrlimit(resource.RLIMIT_AS)
+
+    def greedy(argv):
+        bytearray(CAP + 2**30)
+    with pytest.raises(MemoryError):
+        exit_status(greedy, [])
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
 
 
 @pytest.mark.parametrize("flag, value", CASES)
