@@ -2,9 +2,13 @@
 and 10^9, each run in a subprocess under a 4 GiB address-space cap (hostile.run_capped): a bounded run that says
 once what it clamped, or one `error:` line naming the largest value that works. Before: quality's --k, --draft-positions
 and --ar-drafted-drafts at 10^9 were MemoryErrors, --samples and --revise runs of years, the bench's --openings
---prompts 10^9 a 7.5 GiB array."""
+--prompts 10^9 a 7.5 GiB array. `python -m tinydiff.bench.hf`'s --ks and `python -m tinydiff.bench.kernels`' --reps
+and --seed too: --ks 10^9 was a MemoryError (a 10^9-slot histogram), --reps 10^6 hours of timing, a seed past 64
+bits a traceback."""
+import importlib
+
 import pytest
-from hostile import run_capped
+from hostile import refused, run_capped
 
 from tinydiff.io.checkpoint import save_checkpoint
 from tinydiff.model import ModelConfig, Transformer
@@ -87,3 +91,25 @@ def test_quality_curve_draft_lists_are_clamped_to_a_block(models, n):
     for flag in ("--self-spec-drafts", "--ar-drafted-drafts"):
         assert_clamped(res, f"notice: {flag} {n} is more than a block's 8 positions")
     assert "self-speculative 8" in res.stdout and "ar-drafted 8" in res.stdout
+
+
+def test_hf_drafts_past_a_round_are_clamped(models):
+    """--ks 10^9 with 4 new tokens drafts 3 a round, said once; the clamped row is spec-k3, beside spec-k2."""
+    pytest.importorskip("transformers")
+    res = run_capped(["-m", "tinydiff.bench.hf", "--target", models["ar"], "--draft", models["draft"],
+                      "--max-new-tokens", "4", "--ks", f"2,{10**9}"], timeout=120)
+    assert_clamped(res, f"notice: --ks {10**9} is more than the 3 drafts a round of a 4-token story can use")
+    assert [line.split()[0] for line in res.stdout.splitlines()[2:]] == ["greedy", "sample", "spec-k2", "spec-k3"]
+
+
+def test_kernel_bench_repetitions_past_their_bound_are_one_line():
+    res = run_capped(["-m", "tinydiff.bench.kernels", "--kernels", "sampler", "--reps", 10**6], timeout=60)
+    assert_refused(res, "argument --reps:", "<= 10,000,")
+
+
+@pytest.mark.parametrize("module", ["hf", "kernels"])
+def test_a_seed_past_32_bits_is_one_line(module, tmp_path, capsys):
+    """Refused by argparse, before any work: in-process (kernels is imported when called, as test_cli does)."""
+    main = importlib.import_module(f"tinydiff.bench.{module}").main
+    argv = ["--target", "t.pt", "--draft", "d.pt"] if module == "hf" else []
+    assert "<= 4,294,967,295," in refused(main, [*argv, "--seed", 10**30], capsys, tmp_path)

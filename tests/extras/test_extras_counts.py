@@ -1,12 +1,14 @@
 """Spec (issue 77): every count flag of the research variants' entry points at 10^6 and 10^9, each run in a child
 process under a 4 GiB address-space cap (hostile.run_capped). A count past what the run can use is clamped to it,
 with one `notice:` line, and the story is written as with the clamp; a count no run can use is one `error:` line
-naming the largest useful value. Neither allocates in proportion to the count: a case that did fails under the cap."""
+naming the largest useful value. Neither allocates in proportion to the count: a case that did fails under the cap.
+sudoku_train's flags are each bounded by argparse; their product (--batch-size x the model's size) is refused before
+any work where a training step's floor passes the memory (precision.check_fits, train.py's check)."""
 import json
 
 import pytest
 import torch
-from hostile import run_capped
+from hostile import refused, run_capped
 
 from tinydiff.dflash import DFlashConfig, DFlashDrafter
 from tinydiff.extras.markov_head import MarkovConfig, MarkovDrafter
@@ -78,3 +80,27 @@ def test_a_huge_count_is_clamped_or_refused_in_bounded_memory(ckpts, name, flag)
         else:
             assert res.returncode != 0 and res.stdout == ""
             assert len(lines) == 1 and lines[0].startswith(expected), res.stderr
+
+
+def test_a_sudoku_batch_past_the_memory_is_refused_before_any_work(tmp_path):
+    """--batch-size 4096 and --d-model 1024 each pass their bounds; together a step holds at least 72 GB. Before
+    the check it trained until the allocator refused (a traceback under the cap). The cap is this process's
+    memory, so the batch named is the largest whose step floor x 3 fits in 4 GiB."""
+    res = run_capped(["-m", "tinydiff.extras.sudoku_train", "--out", tmp_path / "out", "--minutes", "0.05",
+                      "--puzzles", "2", "--d-model", "1024", "--batch-size", "4096"], timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: --batch-size 4096 cannot fit: "), res.stderr[-2000:]
+    assert "this machine has 4.29 GB; pass --batch-size 31 or less" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sudoku_model_past_the_memory_names_its_size(tmp_path, capsys, monkeypatch):
+    """Where no batch fits, the flags that shrink the model are named: here the default model (215,104 parameters,
+    3.4 MB of weights, gradients and Adam's moments) against 3 MB, which keeps the test cheap either way."""
+    from tinydiff.extras import sudoku_train
+    from tinydiff.train import precision
+    monkeypatch.setattr(precision, "device_memory", lambda device: 3 * 10**6)
+    argv = ["--out", tmp_path / "out", "--minutes", "0.01", "--puzzles", "2"]
+    line = refused(sudoku_train.main, argv, capsys, tmp_path)
+    assert line.endswith("pass a smaller --d-model or --n-layer") and not (tmp_path / "out").exists()

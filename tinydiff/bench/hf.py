@@ -19,9 +19,9 @@ import torch
 
 from tinydiff.ar import ar_generate
 from tinydiff.bench.measure import PROMPTS, device_name
-from tinydiff.checks import COUNT, Rule, UserError
+from tinydiff.checks import COUNT, SEED, Rule, UserError, number_list
 from tinydiff.io.checkpoint import load_model
-from tinydiff.io.cli import make_parser, run_main
+from tinydiff.io.cli import given_flags, make_parser, run_main
 from tinydiff.io.hf_format import write_folder
 from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -34,10 +34,13 @@ def parse_args(argv=None):
     parser.add_argument("--target", required=True, help="an AR checkpoint (ckpt.pt or an exported folder)")
     parser.add_argument("--draft", required=True, help="its AR draft (ckpt.pt or an exported folder)")
     parser.add_argument("--max-new-tokens", type=COUNT, default=64, help="tokens per story")
-    parser.add_argument("--ks", default="4,8", help="draft tokens per round of the speculative rows")
+    parser.add_argument("--ks", type=number_list(COUNT), default="4,8", help="draft tokens per round of the "
+                        "speculative rows (each at most --max-new-tokens - 1: a round drafts no more)")
     parser.add_argument("--threads", type=THREADS, default=1, help="torch threads (both libraries share them)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled row")
-    return parser.parse_args(argv)
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the sampled row")
+    args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv)
+    return args
 
 
 def load_pair(path, folder: Path):
@@ -54,6 +57,18 @@ def timed(run):
     start = time.perf_counter()
     ids = run()
     return ids, time.perf_counter() - start
+
+
+def drafts_per_round(args) -> list[int]:
+    """--ks, each at most what a round can draft: the story's new tokens less the one the target adds. A larger
+    k drafts no more but sizes the tally's histogram (k + 1 slots), so it is clamped, said once where --ks was
+    given, and a row the clamp repeats is dropped."""
+    most = max(1, args.max_new_tokens - 1)
+    for k in dict.fromkeys(args.ks):
+        if k > most and "ks" in args.given:
+            print(f"notice: --ks {k} is more than the {most} drafts a round of a {args.max_new_tokens}-token story "
+                  f"can use; drafting at most {most} a round", file=sys.stderr)
+    return list(dict.fromkeys(min(k, most) for k in args.ks))
 
 
 def modes(target, draft, hf_target, hf_draft, n: int, ks: list[int], seed: int):
@@ -85,12 +100,6 @@ def modes(target, draft, hf_target, hf_draft, n: int, ks: list[int], seed: int):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        ks = [int(k) for k in args.ks.split(",")]
-    except ValueError:
-        raise UserError(f"--ks takes comma-separated draft lengths, e.g. 4,8; got {args.ks!r}") from None
-    if not ks or min(ks) < 1:
-        raise UserError(f"--ks: each draft length must be >= 1, got {args.ks!r}")
-    try:
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("this bench needs transformers: pip install -r requirements-hf.txt") from None
@@ -103,6 +112,7 @@ def main(argv=None):
         room = target.config.context - max(map(len, prompts))
         if args.max_new_tokens > room:
             raise UserError(f"--max-new-tokens {args.max_new_tokens} passes the target's context: at most {room}")
+        ks = drafts_per_round(args)
         print(f"{device_name('cpu')}; transformers {transformers.__version__}; {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens, alternating")
         print(f"{'mode':<10}{'tinydiff tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}  same tokens")

@@ -39,6 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tinydiff.checks import SEED, Rule
 from tinydiff.ddtree import build_tree, compile_tree
 from tinydiff.fp4 import bits_per_weight, quantize
 from tinydiff.io.cli import add_device, make_parser
@@ -51,6 +52,8 @@ from tinydiff.tokenizer import VOCAB_SIZE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISIONS = {True: ("ieee", "tf32"), False: ("ieee",)}  # float32 products: exact or TF32; 16-bit: one kind
+# A median of more calls says nothing new, and a CPU call of a reference takes milliseconds: 10^6 reps was hours.
+REPS = Rule(integer=True, lo=1, hi=10_000)
 
 
 def time_ms(fn, device: str, reps: int) -> float:
@@ -340,8 +343,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default=None, help="comma list from float32, bfloat16, float16 "
                    "(default: float32,bfloat16 on a GPU, float32 on CPU)")
     add_device(p)
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 100 on a GPU, 3 on CPU)")
-    p.add_argument("--seed", type=int, default=1337, help="seeds every random choice: same seed, same output")
+    p.add_argument("--reps", type=REPS, default=None, help="timed repetitions (default: 100 on a GPU, 3 on CPU)")
+    p.add_argument("--seed", type=SEED, default=1337, help="seeds every random choice: same seed, same output")
     p.add_argument("--sweep", action="store_true", help="also time the Triton kernels at other tile sizes "
                    "(attention: block_t x block_s; moe: block_m/block_f/block_k; moe-fp4: "
                    "block_m/block_n/block_fh/block_kh; sampler: block_v/split)")

@@ -36,6 +36,7 @@ from tinydiff.io.cli import add_device, check_device, make_parser, run_main
 from tinydiff.io.files import check_run_folder, claim_run_folder
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import REMASKING
+from tinydiff.train.precision import check_fits
 
 KINDS = {"mdlm": "sudoku-mdlm", "ar": "sudoku-ar"}  # the checkpoint kind of each model
 PARALLEL = [{"cells_per_step": 2}, {"cells_per_step": 3}, {"threshold": 0.99}, {"threshold": 0.95},
@@ -160,6 +161,9 @@ def main(argv=None):
         raise UserError(f"--holes must leave some givens on a {board.n}x{board.n} board: at most {board.cells - 1}")
     if args.d_model % 8:
         raise UserError(f"--d-model must be a multiple of 8 (4 heads of an even size), got {args.d_model}")
+    with torch.device("meta"):  # sized, not allocated: the AR model reads two boards, so its step is the larger
+        ar = sudoku_model(board, True, n_layer=args.n_layer, d_model=args.d_model, d_ff=3 * args.d_model)
+    check_fits(ar, "fp32", args.batch_size, args.device, smaller="--d-model or --n-layer")
     out = Path(args.out)
     check_run_folder(out)
     taken = [kind for kind in KINDS if (out / f"{kind}.pt").exists()]

@@ -83,23 +83,28 @@ def step_floor(model, dtype: str, batch_size: int) -> tuple[int, int]:
 
 
 def device_memory(device: str) -> int:
-    """Bytes of memory on `device`: the GPU's, or this machine's RAM."""
+    """Bytes of memory on `device`: the GPU's, or this machine's RAM, or less where this process's address space
+    is capped (`ulimit -v`, the hostile-input tests' cap): an allocation past the cap fails as if the RAM ran out."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_properties(device).total_memory
     if not hasattr(os, "sysconf"):  # Windows: not known here, so nothing is refused
         return 1 << 62
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import resource  # Unix only, as sysconf is
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return ram if cap == resource.RLIM_INFINITY else min(ram, cap)
 
 
-def check_fits(model, dtype: str, batch_size: int, device: str):
+def check_fits(model, dtype: str, batch_size: int, device: str, smaller: str = "--preset or --context"):
     """Refuse a batch whose step_floor passes the device's memory, naming the largest --batch-size whose
-    floor x 3 fits (what the measured steps held)."""
+    floor x 3 fits (what the measured steps held), or, where no batch does, the flags (`smaller`) that shrink
+    the model. `model` may be on the meta device: only its parameters' sizes are read."""
     total = device_memory(device)
     floor, per_window = step_floor(model, dtype, batch_size)
     if floor <= total:
         return
     fits = (total // 3 - (floor - per_window * batch_size)) // per_window
-    fix = f"pass --batch-size {fits} or less" if fits >= 1 else "pass a smaller --preset or --context"
+    fix = f"pass --batch-size {fits} or less" if fits >= 1 else f"pass a smaller {smaller}"
     where = "GPU" if device.startswith("cuda") else "machine"
     raise UserError(f"--batch-size {batch_size} cannot fit: a step holds at least {floor / 1e9:.2f} GB, and this "
                     f"{where} has {total / 1e9:.2f} GB; {fix}")
