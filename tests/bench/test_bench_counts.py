@@ -8,6 +8,7 @@ bits a traceback."""
 import importlib
 
 import pytest
+import torch
 from hostile import refused, run_capped
 
 from tinydiff.io.checkpoint import save_checkpoint
@@ -113,3 +114,11 @@ def test_a_seed_past_32_bits_is_one_line(module, tmp_path, capsys):
     main = importlib.import_module(f"tinydiff.bench.{module}").main
     argv = ["--target", "t.pt", "--draft", "d.pt"] if module == "hf" else []
     assert "<= 4,294,967,295," in refused(main, [*argv, "--seed", 10**30], capsys, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is a good run there")
+def test_the_kernel_bench_checks_its_device_and_output_before_any_work(tmp_path, capsys):
+    """Once a traceback (`Torch not compiled with CUDA enabled`) and a --json opened only after the first row."""
+    main = importlib.import_module("tinydiff.bench.kernels").main
+    assert "no CUDA GPU is visible" in refused(main, ["--device", "cuda"], capsys, tmp_path)
+    assert "does not exist" in refused(main, ["--json", tmp_path / "missing" / "rows.json"], capsys, tmp_path)

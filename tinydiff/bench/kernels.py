@@ -34,6 +34,7 @@ On a machine without CUDA the Triton timings need a GPU: only the references are
 """
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -42,7 +43,8 @@ import torch.nn.functional as F
 from tinydiff.checks import SEED, Rule
 from tinydiff.ddtree import build_tree, compile_tree
 from tinydiff.fp4 import bits_per_weight, quantize
-from tinydiff.io.cli import add_device, make_parser
+from tinydiff.io.cli import add_device, check_device, make_parser, run_main
+from tinydiff.io.files import check_output, write_atomic
 from tinydiff.kernels import HAVE_TRITON
 from tinydiff.kernels.masked_attention import masked_attention_reference, masked_attention_triton
 from tinydiff.kernels.moe_ffn import moe_ffn_fp4_reference, moe_ffn_fp4_triton, moe_ffn_reference, moe_ffn_triton
@@ -306,9 +308,9 @@ def measure(row, fn, want, moved, flops, peaks, args, rows) -> None:
     gpu = f"{gpu_ms:8.4f}" if gpu_ms else f"{'-':>8}"
     print(f"{label} {ms:8.4f} {gpu} {row['gb_s']:7.1f} {row['tflop_s']:8.3f} {floor:9.5f} {row['of_floor']:8.3f}  "
           f"{'ok' if ok else 'MISMATCH'}", flush=True)
-    if args.json:  # rewritten after every row: a run cut short still leaves its rows
-        with open(args.json, "w") as f:
-            json.dump({"device": args.device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    if args.json:  # rewritten after every row (atomically): a run cut short still leaves its rows
+        text = json.dumps({"device": args.device_name, "torch": torch.__version__, "rows": rows}, indent=1)
+        write_atomic(args.json, lambda f: f.write(text.encode("utf-8")))
 
 
 def run(args) -> list[dict]:
@@ -351,6 +353,8 @@ def main(argv=None):
     p.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (it compiles for minutes)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     args = p.parse_args(argv)
+    check_device(args.device)
+    check_output(args.json, "--json")
     cuda = args.device.startswith("cuda")
     args.dtypes = args.dtypes or ("float32,bfloat16" if cuda else "float32")
     args.reps = args.reps or (100 if cuda else 3)
@@ -372,4 +376,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))
