@@ -40,14 +40,14 @@ from tinydiff.checks import COUNT, UserError, brief_error
 from tinydiff.data import eval_windows, load_tokens, sample_windows
 from tinydiff.io import progress
 from tinydiff.io.checkpoint import save_checkpoint
-from tinydiff.io.cli import add_device, make_parser, run_main
+from tinydiff.io.cli import add_device, check_fits, make_parser, run_main
 from tinydiff.io.files import StopOnSignal, claim_run_folder
 from tinydiff.io.tokens import prepare_tokens, recorded_sha256
 from tinydiff.tokenizer import Tokenizer
 from tinydiff.train import fused_loss
 from tinydiff.train.batches import with_variants
 from tinydiff.train.distributed import Ranks
-from tinydiff.train.precision import DTYPES, MixedPrecision, check_fits, choose_dtype
+from tinydiff.train.precision import DTYPES, MixedPrecision, choose_dtype
 from tinydiff.train.run_config import add_flags, check_new, run_settings, same_data
 from tinydiff.train.run_model import build_model, describe, sample_story
 

@@ -210,15 +210,15 @@ def test_a_step_that_does_not_fit_is_one_line_that_names_the_batch_that_would(st
 
 
 def test_a_batch_that_cannot_fit_is_refused_before_any_work_naming_one_that_could(story_file, tmp_path, monkeypatch):
-    """precision.check_fits against a device of `total` bytes (this machine's RAM monkeypatched): refused
+    """io/cli.check_fits against a device of `total` bytes (this machine's RAM monkeypatched): refused
     before the data is read and before the folder is claimed; the --batch-size it names is the largest whose
     step floor x 3 fits."""
+    from tinydiff.io import cli
     from tinydiff.model import Transformer, preset
-    from tinydiff.train import precision
     model = Transformer(preset("draft", context=16))  # what argv builds
-    weights, per_window = precision.step_floor(model, "fp32", 0)[0], precision.step_floor(model, "fp32", 1)[1]
+    weights, per_window = cli.step_floor(model, "fp32", 0)[0], cli.step_floor(model, "fp32", 1)[1]
     for total, batch in ((3 * (weights + 4 * per_window), 2 * weights // per_window + 20), (weights // 2, 2)):
-        monkeypatch.setattr(precision, "device_memory", lambda device: total)
+        monkeypatch.setattr(cli, "device_memory", lambda device: total)
         with pytest.raises(UserError, match=rf"^--batch-size {batch} cannot fit: a step holds at least .* GB, and "
                                             r"this machine has .* GB; pass ") as refusal:
             train.main([*argv(story_file, tmp_path / "run"), "--batch-size", str(batch)])
@@ -227,7 +227,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work_naming_one_that_coul
         if total < weights:
             assert named is None and str(refusal.value).endswith("a smaller --preset or --context")
         else:  # the largest batch whose floor x 3 fits
-            floor = [precision.step_floor(model, "fp32", n)[0] for n in (int(named.group(1)), int(named.group(1)) + 1)]
+            floor = [cli.step_floor(model, "fp32", n)[0] for n in (int(named.group(1)), int(named.group(1)) + 1)]
             assert 3 * floor[0] <= total < 3 * floor[1]
 
 

@@ -3,7 +3,7 @@ process under a 4 GiB address-space cap (hostile.run_capped). A count past what 
 with one `notice:` line, and the story is written as with the clamp; a count no run can use is one `error:` line
 naming the largest useful value. Neither allocates in proportion to the count: a case that did fails under the cap.
 sudoku_train's flags are each bounded by argparse; their product (--batch-size x the model's size) is refused before
-any work where a training step's floor passes the memory (precision.check_fits, train.py's check)."""
+any work where a training step's floor passes the memory (io/cli.check_fits, train.py's check)."""
 import json
 
 import pytest
@@ -99,8 +99,8 @@ def test_a_sudoku_model_past_the_memory_names_its_size(tmp_path, capsys, monkeyp
     """Where no batch fits, the flags that shrink the model are named: here the default model (215,104 parameters,
     3.4 MB of weights, gradients and Adam's moments) against 3 MB, which keeps the test cheap either way."""
     from tinydiff.extras import sudoku_train
-    from tinydiff.train import precision
-    monkeypatch.setattr(precision, "device_memory", lambda device: 3 * 10**6)
+    from tinydiff.io import cli
+    monkeypatch.setattr(cli, "device_memory", lambda device: 3 * 10**6)
     argv = ["--out", tmp_path / "out", "--minutes", "0.01", "--puzzles", "2"]
     line = refused(sudoku_train.main, argv, capsys, tmp_path)
     assert line.endswith("pass a smaller --d-model or --n-layer") and not (tmp_path / "out").exists()

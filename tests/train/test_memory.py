@@ -59,7 +59,7 @@ for name, loss in losses.items():
         loss(model, windows[:batch], torch.Generator().manual_seed(0))[0].backward()
         status = open("/proc/self/status").read()  # VmHWM: this address space's peak resident memory, in kB
         peaks[f"{name} {batch}"] = int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) * 1024
-from tinydiff.train.precision import step_floor
+from tinydiff.io.cli import step_floor
 peaks["floor per window"] = step_floor(model, "fp32", 1)[1]
 print(json.dumps(peaks))
 """
@@ -69,11 +69,11 @@ print(json.dumps(peaks))
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "ar", "mdlm"])
 def test_a_bigger_batch_adds_no_batch_of_logits_to_the_peak(kind):
     """8 windows after 2 add a few MB to the peak in chunks, 100s of MB in one piece (measured after them, in the
-    same process: the peak only grows); and no less than train.py's step floor (precision.step_floor) says."""
+    same process: the peak only grows); and no less than train.py's step floor (io/cli.step_floor) says."""
     res = subprocess.run([sys.executable, "-c", PEAK, kind], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TINYDIFF_MALLOC": "default", "MALLOC_MMAP_THRESHOLD_": "131072"})
     assert res.returncode == 0, res.stderr[-2000:]
     peak = json.loads(res.stdout.splitlines()[-1])
     chunked, whole = peak["chunked 8"] - peak["chunked 2"], peak["whole 8"] - peak["whole 2"]
     assert chunked < whole / 8, peak
-    assert chunked >= 6 * peak["floor per window"], peak  # precision.step_floor is a floor: 6 more windows hold more
+    assert chunked >= 6 * peak["floor per window"], peak  # step_floor is a floor: 6 more windows hold more

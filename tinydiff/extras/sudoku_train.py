@@ -32,11 +32,10 @@ from tinydiff.extras.sudoku import (
     training_grids,
 )
 from tinydiff.io.checkpoint import check_weights_fit, implied_params, load_checkpoint, save_checkpoint
-from tinydiff.io.cli import add_device, check_device, make_parser, run_main
+from tinydiff.io.cli import add_device, check_device, check_fits, make_parser, run_main
 from tinydiff.io.files import check_run_folder, claim_run_folder
 from tinydiff.model import ModelConfig
 from tinydiff.sampler import REMASKING
-from tinydiff.train.precision import check_fits
 
 KINDS = {"mdlm": "sudoku-mdlm", "ar": "sudoku-ar"}  # the checkpoint kind of each model
 PARALLEL = [{"cells_per_step": 2}, {"cells_per_step": 3}, {"threshold": 0.99}, {"threshold": 0.95},
