@@ -135,8 +135,8 @@ def tampered_checkpoints(folder: Path, model, config, kind: str = "ar") -> dict:
 
 def run_capped(args, cap_gib: float = 4, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python ARGS` at the repository's root with its address space capped at cap_gib GiB (RLIMIT_AS): an
-    allocation past the cap raises in the child, which then exits with a
-    traceback or an out-of-memory line, and the test sees it fail."""
+    allocation past the cap raises in the child, which then exits with a traceback or an out-of-memory line,
+    and the test sees it fail."""
     limit = int(cap_gib * 2**30)
 
     def cap():  # in the child, before it runs python
