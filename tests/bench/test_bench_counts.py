@@ -103,6 +103,20 @@ def test_hf_drafts_past_a_round_are_clamped(models):
     assert [line.split()[0] for line in res.stdout.splitlines()[2:]] == ["greedy", "sample", "spec-k2", "spec-k3"]
 
 
+@pytest.mark.parametrize("n", HUGE)
+def test_hf_tokens_past_the_context_are_refused_before_the_export(models, tmp_path, capsys, monkeypatch, n):
+    """The target's 32-token context holds at most 17 new tokens after the longest prompt: one line, before the
+    checkpoints are exported or transformers loads them (the export here would fail the test)."""
+    pytest.importorskip("transformers")
+    from tinydiff.bench import hf
+
+    def export(*args):
+        raise AssertionError("exported before the check")
+    monkeypatch.setattr(hf, "write_folder", export)
+    argv = ["--target", models["ar"], "--draft", models["draft"], "--max-new-tokens", n]
+    assert refused(hf.main, argv, capsys, tmp_path).endswith("passes the target's context: at most 17")
+
+
 def test_kernel_bench_repetitions_past_their_bound_are_one_line():
     res = run_capped(["-m", "tinydiff.bench.kernels", "--kernels", "sampler", "--reps", 10**6], timeout=60)
     assert_refused(res, "argument --reps:", "<= 10,000,")

@@ -43,14 +43,14 @@ def parse_args(argv=None):
     return args
 
 
-def load_pair(path, folder: Path):
-    """(our model, transformers' LlamaForCausalLM) of one AR checkpoint, the same weights."""
+def hf_model(path, ckpt, folder: Path):
+    """transformers' LlamaForCausalLM of one AR checkpoint, the same weights: an exported folder as it is, a
+    ckpt.pt exported into `folder` first."""
     from transformers import AutoModelForCausalLM
-    ours, ckpt = load_model(path, kinds=("ar",))
     if not (Path(path) / "config.json").is_file():
         write_folder(folder, ckpt, "llama")
         path = folder
-    return ours, AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 def timed(run):
@@ -106,13 +106,14 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer()
     prompts = [[EOT] + tokenizer.encode(p) for p in PROMPTS]
+    (target, target_ckpt), (draft, draft_ckpt) = (load_model(p, kinds=("ar",)) for p in (args.target, args.draft))
+    room = target.config.context - max(map(len, prompts))
+    if args.max_new_tokens > room:  # before the export and transformers' load
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} passes the target's context: at most {room}")
+    ks = drafts_per_round(args)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        (target, hf_target), (draft, hf_draft) = (load_pair(p, Path(tmp) / name) for p, name in
-                                                  ((args.target, "target"), (args.draft, "draft")))
-        room = target.config.context - max(map(len, prompts))
-        if args.max_new_tokens > room:
-            raise UserError(f"--max-new-tokens {args.max_new_tokens} passes the target's context: at most {room}")
-        ks = drafts_per_round(args)
+        hf_target = hf_model(args.target, target_ckpt, Path(tmp) / "target")
+        hf_draft = hf_model(args.draft, draft_ckpt, Path(tmp) / "draft")
         print(f"{device_name('cpu')}; transformers {transformers.__version__}; {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens, alternating")
         print(f"{'mode':<10}{'tinydiff tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}  same tokens")
