@@ -35,6 +35,7 @@ from tinydiff.io.checkpoint import (
 from tinydiff.io.cli import (
     add_compile,
     check_device,
+    clamp_drafts,
     encode_prompt,
     given_flags,
     print_story,
@@ -221,19 +222,11 @@ def draft_checkpoint(args, method: str) -> dict:
 
 
 def drafts_per_round(args, model, prompt) -> int:
-    """--k (default 4), at most what a round can draft: the story's new tokens less the one the target adds.
-    A larger --k drafts no more, so it is clamped, saying so once, before it sizes anything."""
+    """--k (default 4), clamped to what a round of this story can draft (io/cli.clamp_drafts)."""
     if args.k is None:
         return 4
-    k = args.k
     room = model.config.context - len(prompt)
-    new = min(args.max_new_tokens or room, room)
-    most = max(1, new - 1)
-    if k <= most:
-        return k
-    print(f"notice: --k {k} is more than the {most} drafts a round of a {new}-token story can use; drafting at most "
-          f"{most} a round", file=sys.stderr)
-    return most
+    return clamp_drafts(args.k, min(args.max_new_tokens or room, room))
 
 
 def block_size(args, drafter) -> int:

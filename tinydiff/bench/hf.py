@@ -21,7 +21,7 @@ from tinydiff.ar import ar_generate
 from tinydiff.bench.measure import PROMPTS, device_name
 from tinydiff.checks import COUNT, SEED, Rule, UserError, number_list
 from tinydiff.io.checkpoint import load_model
-from tinydiff.io.cli import given_flags, make_parser, run_main
+from tinydiff.io.cli import clamp_drafts, given_flags, make_parser, run_main
 from tinydiff.io.hf_format import write_folder
 from tinydiff.speculative import speculative_generate
 from tinydiff.tokenizer import EOT, Tokenizer
@@ -60,15 +60,10 @@ def timed(run):
 
 
 def drafts_per_round(args) -> list[int]:
-    """--ks, each at most what a round can draft: the story's new tokens less the one the target adds. A larger
-    k drafts no more but sizes the tally's histogram (k + 1 slots), so it is clamped, said once where --ks was
-    given, and a row the clamp repeats is dropped."""
-    most = max(1, args.max_new_tokens - 1)
-    for k in dict.fromkeys(args.ks):
-        if k > most and "ks" in args.given:
-            print(f"notice: --ks {k} is more than the {most} drafts a round of a {args.max_new_tokens}-token story "
-                  f"can use; drafting at most {most} a round", file=sys.stderr)
-    return list(dict.fromkeys(min(k, most) for k in args.ks))
+    """--ks, each clamped to what a round can draft (io/cli.clamp_drafts): a larger k drafts no more but sizes the
+    tally's histogram (k + 1 slots). Said only where --ks was given; a row the clamp repeats is dropped."""
+    given = "ks" in args.given
+    return list(dict.fromkeys(clamp_drafts(k, args.max_new_tokens, "--ks", given) for k in dict.fromkeys(args.ks)))
 
 
 def modes(target, draft, hf_target, hf_draft, n: int, ks: list[int], seed: int):

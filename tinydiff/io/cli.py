@@ -102,6 +102,17 @@ def run_main(main, argv=None, interrupted: str = "nothing was written") -> int:
         return 1
 
 
+def clamp_drafts(k: int, new: int, flag: str = "--k", say: bool = True) -> int:
+    """k drafts a round, at most what a round of a `new`-token story can draft (its new tokens less the one the
+    target adds): a larger k drafts no more, so it is clamped, said once on stderr (where `say`) before it sizes
+    anything."""
+    most = max(1, new - 1)
+    if k > most and say:
+        print(f"notice: {flag} {k} is more than the {most} drafts a round of a {new}-token story can use; drafting at "
+              f"most {most} a round", file=sys.stderr)
+    return min(k, most)
+
+
 def story_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with the flags every entry point that writes a story shares."""
     p = make_parser(prog, description)
